@@ -1,0 +1,1 @@
+"""Orbit's Kubernetes operator (kopf). Import package `orbit_operator`; never name a module `operator`."""

@@ -1,0 +1,123 @@
+"""A tiny Qwen2-architecture model and character-level tokenizer, made locally (no network).
+
+Used by the quickstart and the tests. The shapes respect vLLM's CPU backend limits
+(head_dim >= 32, layer dims multiples of 32, divisible by the INT4 group size of 128) and
+the model's vocabulary equals the tokenizer's.
+"""
+
+from __future__ import annotations
+
+import json
+import string
+from dataclasses import dataclass
+from pathlib import Path
+
+from orbit_runtime.errors import OrbitError
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Qwen-style chat template: the model answers after "<|im_start|>assistant\n".
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class DemoModelShape:
+    """Shape of the demo model. Defaults keep it small enough to train on 2 CPU cores."""
+
+    hidden_size: int = 256
+    intermediate_size: int = 768
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 1024
+
+
+def _byte_level_char(byte: int) -> str:
+    """GPT-2 byte-level alphabet: printable bytes map to themselves, others to U+0100 onwards."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    if byte in printable:
+        return chr(byte)
+    return chr(256 + [b for b in range(256) if b not in printable].index(byte))
+
+
+def build_tokenizer_vocab() -> list[str]:
+    """Printable ASCII plus newline (one token per character), the special tokens, padded to 128.
+
+    Tokens are written in the byte-level alphabet (space is "Ġ", newline "Ċ") because
+    transformers loads any `qwen2` tokenizer with Qwen2's byte-level pre-tokenizer; a plain
+    character vocabulary would silently lose spaces. One token per character keeps digits
+    single tokens, which suits arithmetic tasks.
+    """
+    chars = sorted(set(string.printable) - set("\t\r\x0b\x0c"))
+    vocab = [_byte_level_char(ord(c)) for c in chars] + SPECIAL_TOKENS
+    vocab += [f"<|reserved_{i}|>" for i in range(128 - len(vocab))]
+    return vocab
+
+
+def write_demo_model(
+    out_dir: Path,
+    *,
+    shape: DemoModelShape = DemoModelShape(),
+    seed: int = 0,
+    overwrite: bool = False,
+) -> Path:
+    """Write a randomly initialised Qwen2 model (bf16 safetensors) plus its tokenizer to OUT_DIR."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
+        raise OrbitError(f"{out_dir}: directory exists and is not empty (pass --overwrite to replace it)")
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    vocab = build_tokenizer_vocab()
+    token_to_id = {tok: i for i, tok in enumerate(vocab)}
+    # A byte-level BPE with no merges is a character-level tokenizer.
+    core = Tokenizer(models.BPE(vocab=token_to_id, merges=[], unk_token=None, fuse_unk=False))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    core.add_special_tokens([tok for tok in vocab if tok.startswith("<|")])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+        unk_token=None,
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(out_dir)
+
+    config = Qwen2Config(
+        vocab_size=len(vocab),
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_hidden_layers,
+        num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_key_value_heads,
+        max_position_embeddings=shape.max_position_embeddings,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=token_to_id["<|im_end|>"],
+        pad_token_id=token_to_id["<|endoftext|>"],
+        torch_dtype="bfloat16",
+    )
+    head_dim = config.hidden_size // config.num_attention_heads
+    if head_dim < 32:
+        raise OrbitError(f"demo model head_dim={head_dim}: vLLM's CPU attention needs head_dim >= 32")
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    model.generation_config.eos_token_id = config.eos_token_id
+    model.save_pretrained(out_dir)
+    _check_vocab_matches(out_dir, len(tokenizer))
+    return out_dir
+
+
+def _check_vocab_matches(model_dir: Path, tokenizer_size: int) -> None:
+    config = json.loads((model_dir / "config.json").read_text())
+    if config["vocab_size"] != tokenizer_size:
+        raise AssertionError(f"vocab mismatch: model {config['vocab_size']} vs tokenizer {tokenizer_size}")

@@ -1,0 +1,48 @@
+"""Pure tensor functions for the compressed-tensors `pack-quantized` INT4 layout.
+
+Layout (as written by compressed-tensors' `pack_to_int32`): a weight of shape [out, in] is
+stored as `weight_packed` int32 [out, in / 8]; int32 column j holds the eight signed int4
+values of columns 8j..8j+7, value i in bits 4i..4i+3, each offset by +8 (unsigned 0..15).
+`weight_scale` [out, in / group_size] holds one symmetric scale per group of columns.
+
+These run on any device (CPU or CUDA) and are what the learner uses on every forward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+PACK_FACTOR = 8  # int4 values per int32
+_SHIFTS_CACHE: dict[torch.device, torch.Tensor] = {}
+
+
+def _shifts(device: torch.device) -> torch.Tensor:
+    if device not in _SHIFTS_CACHE:
+        _SHIFTS_CACHE[device] = torch.arange(PACK_FACTOR, dtype=torch.int32, device=device) * 4
+    return _SHIFTS_CACHE[device]
+
+
+def unpack_int4(packed: torch.Tensor, in_features: int) -> torch.Tensor:
+    """int32 [out, ceil(in/8)] -> int8 [out, in] with values in [-8, 7]."""
+    if packed.dtype != torch.int32:
+        raise TypeError(f"packed INT4 weights must be int32, got {packed.dtype}")
+    nibbles = (packed.unsqueeze(-1) >> _shifts(packed.device)) & 0xF
+    values = nibbles.reshape(packed.shape[0], -1)[:, :in_features]
+    return (values - 8).to(torch.int8)
+
+
+def dequantize_int4(
+    packed: torch.Tensor, scale: torch.Tensor, in_features: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Dense [out, in] weight in `dtype` from packed int4 values and per-group scales."""
+    out_features, num_groups = scale.shape
+    group_size = in_features // num_groups
+    q = unpack_int4(packed, in_features).to(dtype).view(out_features, num_groups, group_size)
+    return (q * scale.to(dtype).unsqueeze(-1)).view(out_features, in_features)
+
+
+def packed_nbytes(out_features: int, in_features: int, group_size: int, scale_dtype: torch.dtype) -> int:
+    """Bytes a packed INT4 linear needs: 4 bits a weight plus one scale per group."""
+    packed = out_features * ((in_features + PACK_FACTOR - 1) // PACK_FACTOR) * 4
+    scales = out_features * (in_features // group_size) * torch.empty((), dtype=scale_dtype).element_size()
+    return packed + scales

@@ -1,0 +1,208 @@
+"""The learner's policy: the packed INT4 base plus a trainable PEFT LoRA adapter.
+
+`load_policy` builds the transformer on the meta device (no memory), swaps every quantized
+linear for an `Int4Linear`, then fills packed weights and 16-bit tensors shard by shard. The
+reference policy is the same object with the adapter disabled: no second copy of the base.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from orbit_runtime.config import AdapterSpec
+from orbit_runtime.errors import OrbitError
+from orbit_runtime.int4.quantize import list_shards
+from orbit_runtime.int4.schemes import QuantizedCheckpointInfo, read_quantization_config
+from orbit_runtime.learner.int4_linear import Int4Linear
+
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
+MOE_MODEL_TYPES = {"qwen2_moe", "qwen3_moe", "mixtral"}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """'bf16' | 'fp16' | 'fp32' -> torch dtype."""
+    if name not in DTYPES:
+        raise OrbitError(f"dtype {name!r} is not supported; choose bf16, fp16 or fp32")
+    return DTYPES[name]
+
+
+def _set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(root.get_submodule(parent_name) if parent_name else root, child, module)
+
+
+def _materialise_rotary(model: nn.Module, config) -> None:
+    """Rotary embeddings keep a non-persistent `inv_freq` buffer that is not in the checkpoint."""
+    for name, module in list(model.named_modules()):
+        if type(module).__name__.endswith("RotaryEmbedding"):
+            _set_submodule(model, name, type(module)(config=config))
+
+
+def load_int4_base(model_dir: Path, dtype: torch.dtype) -> tuple[nn.Module, QuantizedCheckpointInfo]:
+    """The frozen base: quantized linears stay packed, other weights in `dtype`."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_dir = Path(model_dir)
+    config_path = model_dir / "config.json"
+    if not config_path.is_file():
+        raise OrbitError(f"{model_dir}: not a model directory (no config.json)")
+    raw_config = json.loads(config_path.read_text())
+    info = read_quantization_config(raw_config, str(config_path))
+    if raw_config.get("model_type") in MOE_MODEL_TYPES:
+        raise OrbitError(
+            f"{config_path}: the learner does not load MoE models yet ({raw_config['model_type']}); "
+            "`orbit quantize` and vLLM do"
+        )
+    config = AutoConfig.from_pretrained(model_dir)
+    config.quantization_config = None  # we do the INT4 part ourselves
+    del config.quantization_config
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+
+    for name, module in list(model.named_modules()):
+        if type(module) is nn.Linear and info.is_quantized(name):
+            _set_submodule(
+                model,
+                name,
+                Int4Linear(
+                    module.in_features,
+                    module.out_features,
+                    group_size=info.scheme.group_size,
+                    bias=module.bias is not None,
+                    dtype=dtype,
+                    device="meta",
+                ),
+            )
+
+    expected = set(model.state_dict().keys())
+    loaded: set[str] = set()
+    for shard in list_shards(model_dir):
+        tensors: dict[str, torch.Tensor] = {}
+        with safe_open(shard, framework="pt") as reader:
+            for key in reader.keys():
+                if key.endswith(".weight_shape"):
+                    continue  # implied by the module's shape
+                tensor = reader.get_tensor(key)
+                tensors[key] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+        unexpected = set(tensors) - expected
+        if unexpected:
+            raise OrbitError(f"{shard}: tensors the model does not have: {sorted(unexpected)[:5]}")
+        model.load_state_dict(tensors, strict=False, assign=True)
+        loaded |= set(tensors)
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
+        loaded |= {k for k in expected if k.startswith("lm_head.")}
+    missing = expected - loaded
+    if missing:
+        raise OrbitError(f"{model_dir}: checkpoint lacks {sorted(missing)[:5]} ({len(missing)} tensors)")
+    _materialise_rotary(model, config)
+    still_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if still_meta:
+        raise RuntimeError(f"tensors left unloaded on the meta device: {still_meta[:5]}")
+    model.requires_grad_(False)
+    model.eval()
+    return model, info
+
+
+@dataclass
+class BaseMemory:
+    """Bytes the frozen base occupies, split by storage kind."""
+
+    packed_bytes: int  # int4 weights (int32 storage) + their scales
+    dense_bytes: int  # embeddings, LM head, norms, biases (16 bit)
+    quantized_params: int  # number of int4 weights
+
+
+class Policy:
+    """INT4 base + LoRA adapter: token log-probs with or without the adapter, adapter I/O."""
+
+    def __init__(self, peft_model: nn.Module, dtype: torch.dtype, model_dir: Path) -> None:
+        self.model = peft_model
+        self.dtype = dtype
+        self.model_dir = model_dir
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def base_memory(self) -> BaseMemory:
+        packed = dense = count = 0
+        for module in self.model.modules():
+            if isinstance(module, Int4Linear):
+                packed += module.weight_packed.nbytes + module.weight_scale.nbytes
+                count += module.in_features * module.out_features
+        for name, tensor in [*self.model.named_parameters(), *self.model.named_buffers()]:
+            if "lora_" in name or "weight_packed" in name or "weight_scale" in name:
+                continue
+            dense += tensor.nbytes
+        return BaseMemory(packed_bytes=packed, dense_bytes=dense, quantized_params=count)
+
+    def token_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """log p(token t | tokens < t) for t = 1..T-1: [B, T] ids -> [B, T-1] float32.
+
+        Logits are taken in the model dtype and the log-softmax in float32, as vLLM does.
+        """
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        logits = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+        logprobs = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+        return logprobs.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+
+    @contextlib.contextmanager
+    def adapter_disabled(self) -> Iterator[None]:
+        """The reference policy: the same INT4 base with the LoRA adapter switched off."""
+        with self.model.disable_adapter():
+            yield
+
+    def save_adapter(self, out_dir: Path) -> Path:
+        """Write the adapter in PEFT format (adapter_config.json + adapter_model.safetensors)."""
+        out_dir = Path(out_dir)
+        self.model.save_pretrained(out_dir)
+        config_path = out_dir / "adapter_config.json"
+        config = json.loads(config_path.read_text())
+        config["base_model_name_or_path"] = str(self.model_dir)
+        config_path.write_text(json.dumps(config, indent=2))
+        return out_dir
+
+    def init_adapter_randomly(self, std: float, seed: int) -> None:
+        """Give lora_B random values (PEFT starts it at zero, making the adapter a no-op).
+
+        Used by parity checks and benchmarks: a no-op adapter would make adapter parity trivial.
+        """
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, param in self.model.named_parameters():
+                if "lora_B" in name:
+                    param.copy_(torch.randn(param.shape, generator=generator) * std)
+
+
+def load_policy(model_dir: Path, adapter: AdapterSpec, dtype: str = "bf16") -> Policy:
+    """Load the INT4 base from MODEL_DIR and wrap it with a fresh (zero) LoRA adapter."""
+    from peft import LoraConfig, get_peft_model
+
+    torch_dtype = parse_dtype(dtype)
+    base, _ = load_int4_base(model_dir, torch_dtype)
+    present = {name.rsplit(".", 1)[-1] for name, m in base.named_modules() if isinstance(m, nn.Linear)}
+    unknown = [t for t in adapter.target_modules if t not in present]
+    if unknown:
+        raise OrbitError(f"adapter.target_modules {unknown} match no linear layer; the model has {sorted(present)}")
+    lora = LoraConfig(
+        r=adapter.rank,
+        lora_alpha=adapter.alpha,
+        lora_dropout=adapter.dropout,
+        target_modules=adapter.target_modules,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    model = get_peft_model(base, lora)
+    for name, param in model.named_parameters():
+        if param.requires_grad and "lora_" not in name:
+            raise RuntimeError(f"base parameter {name} is trainable; only the adapter may be")
+    return Policy(model, torch_dtype, Path(model_dir))

@@ -1,0 +1,135 @@
+"""HTTP client for the rollout engine (vLLM's OpenAI-compatible server).
+
+Generation sends token ids and returns token ids with per-token log-probs. Adapter versions
+are loaded under a NEW name every time: vLLM caches adapters by name, so reusing a name
+would keep serving the old weights. The client refuses to reuse a name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One sampled completion: its prompt, the generated ids and their rollout log-probs."""
+
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str | None
+
+
+def _token_id(token: str) -> int:
+    # With return_tokens_as_token_ids, vLLM writes each token as "token_id:<id>".
+    prefix, _, value = token.partition(":")
+    if prefix != "token_id":
+        raise ValueError(f"expected a 'token_id:<n>' token from vLLM, got {token!r}")
+    return int(value)
+
+
+def adapter_name(version: int) -> str:
+    """The served name of adapter version N (unique per version)."""
+    return f"orbit-adapter-v{version}"
+
+
+class RolloutClient:
+    """Talks to one vLLM server: generate, score, load and unload adapters."""
+
+    def __init__(self, base_url: str, *, base_model: str = "base", timeout_s: float = 300.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.base_model = base_model
+        self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s)
+        self._ever_loaded: set[str] = set()
+        self.loaded: list[str] = []
+
+    def close(self) -> None:
+        self._http.close()
+
+    def healthy(self) -> bool:
+        try:
+            return self._http.get("/health", timeout=5.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def _post(self, path: str, payload: dict) -> httpx.Response:
+        response = self._http.post(path, json=payload)
+        if response.status_code >= 400:
+            raise RuntimeError(f"rollout {path} returned {response.status_code}: {response.text[:500]}")
+        return response
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        model: str | None = None,
+        n: int = 1,
+        max_tokens: int = 64,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        ignore_eos: bool = False,
+    ) -> list[list[Completion]]:
+        """Sample N completions per prompt; result[i][j] is completion j of prompt i."""
+        payload = {
+            "model": model or self.base_model,
+            "prompt": prompts,
+            "n": n,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+            "logprobs": 0,
+            "return_tokens_as_token_ids": True,
+            "ignore_eos": ignore_eos,
+            "skip_special_tokens": False,
+        }
+        if seed is not None:
+            payload["seed"] = seed
+        choices = self._post("/v1/completions", payload).json()["choices"]
+        grouped: list[list[Completion]] = [[] for _ in prompts]
+        for choice in sorted(choices, key=lambda c: c["index"]):
+            prompt_index = choice["index"] // n
+            lp = choice["logprobs"]
+            grouped[prompt_index].append(
+                Completion(
+                    prompt_ids=list(prompts[prompt_index]),
+                    token_ids=[_token_id(t) for t in lp["tokens"]],
+                    logprobs=[float(x) for x in lp["token_logprobs"]],
+                    finish_reason=choice.get("finish_reason"),
+                )
+            )
+        return grouped
+
+    def score(self, sequence: list[int], *, model: str | None = None) -> list[float]:
+        """log p(token t | tokens < t) for t = 1..len-1 under MODEL (vLLM prompt_logprobs)."""
+        payload = {
+            "model": model or self.base_model,
+            "prompt": [sequence],
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "prompt_logprobs": 0,
+        }
+        choice = self._post("/v1/completions", payload).json()["choices"][0]
+        entries = choice["prompt_logprobs"][1:]
+        out = []
+        for token, entry in zip(sequence[1:], entries):
+            out.append(float(entry[str(token)]["logprob"]))
+        return out
+
+    def load_adapter(self, name: str, path: Path) -> None:
+        """Load the PEFT adapter at PATH under a name never used before on this server."""
+        if name in self._ever_loaded:
+            raise ValueError(f"adapter name {name!r} was used before; vLLM would serve the cached old weights")
+        self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+        self._ever_loaded.add(name)
+        self.loaded.append(name)
+
+    def unload_adapter(self, name: str) -> None:
+        self._post("/v1/unload_lora_adapter", {"lora_name": name})
+        self.loaded.remove(name)
+
+    def served_models(self) -> list[str]:
+        return [m["id"] for m in self._http.get("/v1/models").json()["data"]]
