@@ -122,7 +122,7 @@ def quantize_checkpoint(
         with safe_open(shard, framework="pt") as reader:
             for name in reader.keys():
                 shape = tuple(reader.get_slice(name).get_shape())
-                if len(shape) == 3 and ".experts." not in name and "experts" in name:
+                if len(shape) >= 3 and "expert" in name:
                     raise OrbitError(
                         f"{shard.name}: {name} is a fused 3-D expert tensor; convert the checkpoint "
                         "to per-expert linear weights first"

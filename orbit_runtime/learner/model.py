@@ -155,6 +155,32 @@ class Policy:
         logprobs = torch.log_softmax(logits[:, :-1].float(), dim=-1)
         return logprobs.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
 
+    def completion_logprobs(self, pairs: list[tuple[list[int], list[int]]], pad_id: int = 0) -> list[torch.Tensor]:
+        """Per-token log-probs of each completion given its prompt: [(prompt, completion)] -> [[len(c)]].
+
+        Sequences are right-padded into one batch; padding never affects earlier positions
+        of a causal model, so each completion is scored exactly as on its own.
+        """
+        lengths = [len(p) + len(c) for p, c in pairs]
+        width = max(lengths)
+        ids = torch.full((len(pairs), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(pairs), width), dtype=torch.long)
+        for row, (prompt, completion) in enumerate(pairs):
+            ids[row, : lengths[row]] = torch.tensor(prompt + completion)
+            mask[row, : lengths[row]] = 1
+        logprobs = self.token_logprobs(ids, mask)
+        return [logprobs[row, len(p) - 1 : len(p) + len(c) - 1] for row, (p, c) in enumerate(pairs)]
+
+    def adapter_state(self) -> dict[str, torch.Tensor]:
+        """A copy of the adapter's weights (to restore or compare later)."""
+        return {n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad}
+
+    def load_adapter_state(self, state: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for name, param in self.model.named_parameters():
+                if name in state:
+                    param.copy_(state[name])
+
     @contextlib.contextmanager
     def adapter_disabled(self) -> Iterator[None]:
         """The reference policy: the same INT4 base with the LoRA adapter switched off."""
@@ -183,17 +209,11 @@ class Policy:
                     param.copy_(torch.randn(param.shape, generator=generator) * std)
 
 
-def load_policy(model_dir: Path, adapter: AdapterSpec, dtype: str = "bf16") -> Policy:
-    """Load the INT4 base from MODEL_DIR and wrap it with a fresh (zero) LoRA adapter."""
-    from peft import LoraConfig, get_peft_model
+def lora_config(adapter: AdapterSpec):
+    """PEFT LoraConfig for ADAPTER (no bias training: vLLM's LoRA has no bias)."""
+    from peft import LoraConfig
 
-    torch_dtype = parse_dtype(dtype)
-    base, _ = load_int4_base(model_dir, torch_dtype)
-    present = {name.rsplit(".", 1)[-1] for name, m in base.named_modules() if isinstance(m, nn.Linear)}
-    unknown = [t for t in adapter.target_modules if t not in present]
-    if unknown:
-        raise OrbitError(f"adapter.target_modules {unknown} match no linear layer; the model has {sorted(present)}")
-    lora = LoraConfig(
+    return LoraConfig(
         r=adapter.rank,
         lora_alpha=adapter.alpha,
         lora_dropout=adapter.dropout,
@@ -201,8 +221,36 @@ def load_policy(model_dir: Path, adapter: AdapterSpec, dtype: str = "bf16") -> P
         bias="none",
         task_type="CAUSAL_LM",
     )
-    model = get_peft_model(base, lora)
+
+
+def load_policy(model_dir: Path, adapter: AdapterSpec, dtype: str = "bf16") -> Policy:
+    """Load the INT4 base from MODEL_DIR and wrap it with a fresh (zero) LoRA adapter."""
+    from peft import get_peft_model
+
+    torch_dtype = parse_dtype(dtype)
+    base, _ = load_int4_base(model_dir, torch_dtype)
+    present = {name.rsplit(".", 1)[-1] for name, m in base.named_modules() if isinstance(m, nn.Linear)}
+    unknown = [t for t in adapter.target_modules if t not in present]
+    if unknown:
+        raise OrbitError(f"adapter.target_modules {unknown} match no linear layer; the model has {sorted(present)}")
+    model = get_peft_model(base, lora_config(adapter))
     for name, param in model.named_parameters():
         if param.requires_grad and "lora_" not in name:
             raise RuntimeError(f"base parameter {name} is trainable; only the adapter may be")
     return Policy(model, torch_dtype, Path(model_dir))
+
+
+def load_dense_policy(model_dir: Path, adapter: AdapterSpec, dtype: str = "bf16") -> Policy:
+    """The traditional learner: the ORIGINAL 16-bit checkpoint (not INT4) plus a LoRA adapter.
+
+    Orbit does not train this way; benchmarks use it to measure the train-rollout mismatch
+    of learning on 16-bit weights while vLLM samples from an INT4 copy.
+    """
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch_dtype = parse_dtype(dtype)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype, attn_implementation="sdpa")
+    base.requires_grad_(False)
+    base.eval()
+    return Policy(get_peft_model(base, lora_config(adapter)), torch_dtype, Path(model_dir))

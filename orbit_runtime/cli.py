@@ -1,0 +1,75 @@
+"""The `orbit` command line. Arguments are parsed first; torch and friends load only when a
+command runs, so `orbit --help` is instant."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from orbit_runtime.errors import OrbitError
+
+app = typer.Typer(
+    help="Orbit: RL post-training on one frozen INT4 base shared by vLLM and the learner.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+console = Console(stderr=True)
+
+
+def _fail(exc: OrbitError) -> None:
+    console.print(f"[bold red]error:[/] {exc}")
+    raise typer.Exit(code=2)
+
+
+@app.command()
+def quantize(
+    src: Annotated[Path, typer.Argument(help="Hugging Face checkpoint directory (config.json + safetensors).")],
+    dst: Annotated[Path, typer.Argument(help="Output directory for the INT4 checkpoint.")],
+    group_size: Annotated[int, typer.Option(help="Columns per INT4 scale group.")] = 128,
+    ignore: Annotated[
+        list[str] | None,
+        typer.Option(help="Module to keep in 16 bit: exact name, last name components, or re:REGEX. Repeatable."),
+    ] = None,
+    scheme: Annotated[str, typer.Option(help="4-bit weight scheme.")] = "w4a16",
+    overwrite: Annotated[bool, typer.Option(help="Replace DST if it exists.")] = False,
+) -> None:
+    """Quantize SRC to a compressed-tensors W4A16 pack-quantized checkpoint at DST (shard by shard)."""
+    from orbit_runtime.int4.quantize import quantize_checkpoint
+    from orbit_runtime.int4.schemes import make_scheme
+
+    try:
+        report = quantize_checkpoint(
+            src, dst, make_scheme(scheme, group_size), extra_ignore=tuple(ignore or ()), overwrite=overwrite
+        )
+    except OrbitError as exc:
+        _fail(exc)
+    console.print(
+        f"quantized {report.quantized_modules} linear layers, kept {report.kept_tensors} tensors in 16 bit "
+        f"(ignored modules: {', '.join(report.ignored_modules) or 'none'}); "
+        f"{report.source_bytes / 2**20:.1f} MiB -> {report.output_bytes / 2**20:.1f} MiB in {report.seconds:.1f}s"
+    )
+    typer.echo(str(dst))
+
+
+@app.command("demo-model")
+def demo_model(
+    out_dir: Annotated[Path, typer.Argument(help="Directory to write the tiny model and tokenizer to.")],
+    seed: Annotated[int, typer.Option(help="Random seed of the weights.")] = 0,
+    overwrite: Annotated[bool, typer.Option(help="Replace OUT_DIR if it is not empty.")] = False,
+) -> None:
+    """Write a tiny Qwen2-architecture model with a local character-level tokenizer (no network)."""
+    from orbit_runtime.demo_model import write_demo_model
+
+    try:
+        path = write_demo_model(out_dir, seed=seed, overwrite=overwrite)
+    except OrbitError as exc:
+        _fail(exc)
+    console.print(f"wrote demo model to {path}")
+    typer.echo(str(path))
+
+
+if __name__ == "__main__":
+    app()
