@@ -10,25 +10,28 @@ These run on any device (CPU or CUDA) and are what the learner uses on every for
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 PACK_FACTOR = 8  # int4 values per int32
-_SHIFTS_CACHE: dict[torch.device, torch.Tensor] = {}
 
-
-def _shifts(device: torch.device) -> torch.Tensor:
-    if device not in _SHIFTS_CACHE:
-        _SHIFTS_CACHE[device] = torch.arange(PACK_FACTOR, dtype=torch.int32, device=device) * 4
-    return _SHIFTS_CACHE[device]
+if sys.byteorder != "little":  # the byte view below assumes little-endian int32 (x86, ARM, CUDA)
+    raise ImportError("orbit_runtime.int4.packing needs a little-endian machine")
 
 
 def unpack_int4(packed: torch.Tensor, in_features: int) -> torch.Tensor:
-    """int32 [out, ceil(in/8)] -> int8 [out, in] with values in [-8, 7]."""
+    """int32 [out, ceil(in/8)] -> int8 [out, in] with values in [-8, 7].
+
+    Works on the bytes: in a little-endian int32, byte k holds values 2k (low nibble) and
+    2k+1 (high nibble). Every intermediate is 1 byte a weight, which keeps the per-layer
+    temporaries small (this runs on every forward and backward of every layer).
+    """
     if packed.dtype != torch.int32:
         raise TypeError(f"packed INT4 weights must be int32, got {packed.dtype}")
-    nibbles = (packed.unsqueeze(-1) >> _shifts(packed.device)) & 0xF
-    values = nibbles.reshape(packed.shape[0], -1)[:, :in_features]
-    return (values - 8).to(torch.int8)
+    as_bytes = packed.view(torch.uint8)  # [out, in/2]
+    nibbles = torch.stack((as_bytes & 0xF, as_bytes >> 4), dim=-1).view(packed.shape[0], -1)
+    return nibbles[:, :in_features].view(torch.int8) - 8
 
 
 def dequantize_int4(

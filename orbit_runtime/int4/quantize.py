@@ -162,7 +162,9 @@ def quantize_checkpoint(
         for item in src.iterdir():  # tokenizer, generation config, chat template, ...
             if item.is_file() and item.suffix != ".safetensors" and item.name not in ("config.json", INDEX_FILE):
                 shutil.copy2(item, staging / item.name)
-        report.ignored_modules = sorted(ignored)
+        # lm_head is listed even when tied to the embeddings (absent from the checkpoint),
+        # so no reader mistakes it for a quantized linear.
+        report.ignored_modules = sorted(ignored | {"lm_head"})
         config["quantization_config"] = scheme.quantization_config(ignore=report.ignored_modules)
         (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
 

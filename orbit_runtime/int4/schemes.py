@@ -125,9 +125,6 @@ class QuantizedCheckpointInfo:
     scheme: WeightScheme
     ignore: tuple[str, ...]
 
-    def is_quantized(self, module_name: str) -> bool:
-        return not matches_any(module_name, self.ignore)
-
 
 def read_quantization_config(config: dict[str, Any], source: str) -> QuantizedCheckpointInfo:
     """Parse config.json's quantization_config; reject anything but Orbit's INT4 formats."""

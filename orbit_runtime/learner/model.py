@@ -67,8 +67,15 @@ def load_int4_base(model_dir: Path, dtype: torch.dtype) -> tuple[nn.Module, Quan
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
 
+    # Which linears are packed is read off the checkpoint itself (`<module>.weight_packed`),
+    # so a tied LM head or a module ignored at quantization time stays dense.
+    shards = list_shards(model_dir)
+    packed_modules: set[str] = set()
+    for shard in shards:
+        with safe_open(shard, framework="pt") as reader:
+            packed_modules |= {k.removesuffix(".weight_packed") for k in reader.keys() if k.endswith(".weight_packed")}
     for name, module in list(model.named_modules()):
-        if type(module) is nn.Linear and info.is_quantized(name):
+        if type(module) is nn.Linear and name in packed_modules:
             _set_submodule(
                 model,
                 name,
@@ -84,7 +91,7 @@ def load_int4_base(model_dir: Path, dtype: torch.dtype) -> tuple[nn.Module, Quan
 
     expected = set(model.state_dict().keys())
     loaded: set[str] = set()
-    for shard in list_shards(model_dir):
+    for shard in shards:
         tensors: dict[str, torch.Tensor] = {}
         with safe_open(shard, framework="pt") as reader:
             for key in reader.keys():
@@ -129,6 +136,22 @@ class Policy:
         self.dtype = dtype
         self.model_dir = model_dir
 
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def set_gradient_checkpointing(self, enabled: bool) -> None:
+        """Recompute each decoder layer in backward instead of storing its activations.
+
+        RL learners (verl, TRL) enable it by default: activations, not the packed base,
+        dominate the learner's memory at long sequence lengths.
+        """
+        if enabled:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            self.model.train()  # transformers checkpoints only in training mode (dropout is 0)
+        else:
+            self.model.gradient_checkpointing_disable()
+
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
 
@@ -168,7 +191,7 @@ class Policy:
         for row, (prompt, completion) in enumerate(pairs):
             ids[row, : lengths[row]] = torch.tensor(prompt + completion)
             mask[row, : lengths[row]] = 1
-        logprobs = self.token_logprobs(ids, mask)
+        logprobs = self.token_logprobs(ids.to(self.device), mask.to(self.device))
         return [logprobs[row, len(p) - 1 : len(p) + len(c) - 1] for row, (p, c) in enumerate(pairs)]
 
     def adapter_state(self) -> dict[str, torch.Tensor]:
@@ -176,10 +199,14 @@ class Policy:
         return {n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad}
 
     def load_adapter_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy adapter weights in; the names must be exactly this adapter's parameters."""
+        params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+        if set(state) != set(params):
+            missing, extra = sorted(set(params) - set(state)), sorted(set(state) - set(params))
+            raise ValueError(f"adapter state does not match: missing {missing[:3]}, unexpected {extra[:3]}")
         with torch.no_grad():
-            for name, param in self.model.named_parameters():
-                if name in state:
-                    param.copy_(state[name])
+            for name, param in params.items():
+                param.copy_(state[name])
 
     @contextlib.contextmanager
     def adapter_disabled(self) -> Iterator[None]:
@@ -206,7 +233,7 @@ class Policy:
         with torch.no_grad():
             for name, param in self.model.named_parameters():
                 if "lora_B" in name:
-                    param.copy_(torch.randn(param.shape, generator=generator) * std)
+                    param.copy_(torch.randn(param.shape, generator=generator).to(param.device) * std)
 
 
 def lora_config(adapter: AdapterSpec):
@@ -223,12 +250,13 @@ def lora_config(adapter: AdapterSpec):
     )
 
 
-def load_policy(model_dir: Path, adapter: AdapterSpec, dtype: str = "bf16") -> Policy:
-    """Load the INT4 base from MODEL_DIR and wrap it with a fresh (zero) LoRA adapter."""
+def load_policy(model_dir: Path, adapter: AdapterSpec, dtype: str = "bf16", device: str = "cpu") -> Policy:
+    """Load the INT4 base from MODEL_DIR onto DEVICE and wrap it with a fresh (zero) LoRA adapter."""
     from peft import get_peft_model
 
     torch_dtype = parse_dtype(dtype)
     base, _ = load_int4_base(model_dir, torch_dtype)
+    base.to(device)  # packed: moving the base costs ~1/4 of its bf16 size
     present = {name.rsplit(".", 1)[-1] for name, m in base.named_modules() if isinstance(m, nn.Linear)}
     unknown = [t for t in adapter.target_modules if t not in present]
     if unknown:

