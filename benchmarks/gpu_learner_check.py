@@ -12,35 +12,22 @@ holds the dequantized INT4 weights densely. Exits non-zero if a check fails.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from benchmark_output import emit_json
 
 
 def dense_reference_logprobs(int4_dir: Path, dense_dir: Path, adapter_dir: Path, ids):
     """fp32 CPU model whose linears hold the dequantized INT4 weights, plus the same adapter."""
     import torch
     from peft import PeftModel
-    from safetensors import safe_open
-    from transformers import AutoModelForCausalLM
 
-    from orbit_runtime.int4.packing import dequantize_int4
-    from orbit_runtime.int4.quantize import list_shards
+    from orbit_runtime.learner.dense_reference import load_dequantized_dense_model
 
-    model = AutoModelForCausalLM.from_pretrained(dense_dir, dtype=torch.float32)
-    modules = dict(model.named_modules())
-    for shard in list_shards(int4_dir):
-        with safe_open(shard, framework="pt") as f:
-            for key in f.keys():
-                if key.endswith(".weight_packed"):
-                    name = key.removesuffix(".weight_packed")
-                    module = modules[name]
-                    module.weight.data = dequantize_int4(
-                        f.get_tensor(key), f.get_tensor(f"{name}.weight_scale"), module.in_features, torch.float32
-                    )
-    model = PeftModel.from_pretrained(model, adapter_dir)
+    model = PeftModel.from_pretrained(load_dequantized_dense_model(dense_dir, int4_dir), adapter_dir)
     with torch.no_grad():
         logits = model(input_ids=ids).logits[:, :-1].float()
     return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
@@ -141,10 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         checks["bf16_near_reference"] = result["mean_abs_dlogp_bf16_vs_cpu_reference"] < 1e-1
     result["checks"] = checks
     result["ok"] = all(checks.values())
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json:
-        args.json.write_text(text + "\n")
+    emit_json(result, args.json)
     return 0 if result["ok"] else 1
 
 

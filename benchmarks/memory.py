@@ -33,6 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmark_output import emit_json
+
 
 def rss_bytes(field: str) -> int:
     """VmRSS or VmHWM of this process, from /proc/self/status (Linux)."""
@@ -194,11 +196,7 @@ def main(argv: list[str] | None = None) -> dict:
             "ratio": round(dynamic_runs["full_ft"]["peak_bytes"] / dynamic_runs["orbit"]["peak_bytes"], 2),
         },
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text + "\n")
+    emit_json(result, args.json)
     return result
 
 

@@ -13,12 +13,13 @@ Run for bf16 and fp16 (vLLM and learner in the same dtype). Prints and writes JS
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from benchmark_output import emit_json
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 
@@ -102,11 +103,7 @@ def main(argv: list[str] | None = None) -> dict:
     for dtype in args.dtypes:
         a, b = result[dtype]["scheme_a"], result[dtype]["scheme_b"]
         result[f"ratio_{dtype}"] = round(b["mean_abs_dlogp"] / a["mean_abs_dlogp"], 2)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text + "\n")
+    emit_json(result, args.json)
     return result
 
 

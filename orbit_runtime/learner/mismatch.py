@@ -34,7 +34,7 @@ def measure_mismatch(learner: list[torch.Tensor], rollout: list[torch.Tensor]) -
     """Stats over all tokens of all sequences; LEARNER[i] and ROLLOUT[i] score the same tokens."""
     if len(learner) != len(rollout):
         raise ValueError(f"{len(learner)} learner sequences vs {len(rollout)} rollout sequences")
-    for i, (a, b) in enumerate(zip(learner, rollout)):
+    for i, (a, b) in enumerate(zip(learner, rollout, strict=True)):
         if a.shape != b.shape:
             raise ValueError(f"sequence {i}: learner scored {tuple(a.shape)} tokens, rollout {tuple(b.shape)}")
     lp_learner = torch.cat([t.detach().double().flatten() for t in learner])

@@ -102,7 +102,7 @@ def load_int4_base(model_dir: Path, dtype: torch.dtype) -> tuple[nn.Module, Quan
         unexpected = set(tensors) - expected
         if unexpected:
             raise OrbitError(f"{shard}: tensors the model does not have: {sorted(unexpected)[:5]}")
-        model.load_state_dict(tensors, strict=False, assign=True)
+        model.load_state_dict(tensors, strict=True, assign=True)
         loaded |= set(tensors)
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()

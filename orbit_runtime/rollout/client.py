@@ -115,7 +115,7 @@ class RolloutClient:
         choice = self._post("/v1/completions", payload).json()["choices"][0]
         entries = choice["prompt_logprobs"][1:]
         out = []
-        for token, entry in zip(sequence[1:], entries):
+        for token, entry in zip(sequence[1:], entries, strict=True):
             out.append(float(entry[str(token)]["logprob"]))
         return out
 

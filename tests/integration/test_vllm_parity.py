@@ -55,13 +55,13 @@ def test_learner_matches_vllm_on_sampled_tokens(client, policy, tmp_path):
     with torch.no_grad():
         learner = policy.completion_logprobs([(c.prompt_ids, c.token_ids) for c in completions])
     rollout = [torch.tensor(c.logprobs) for c in completions]
-    delta = torch.cat([(a - b).abs() for a, b in zip(learner, rollout)])
+    delta = torch.cat([(a - b).abs() for a, b in zip(learner, rollout, strict=True)])
     assert delta.numel() >= 256
     assert delta.mean() < 1e-2, f"mean |dlogp| {delta.mean():.4f}"
     # the adapter changes vLLM's output: parity is not the trivial no-adapter case
     with torch.no_grad(), policy.adapter_disabled():
         base = policy.completion_logprobs([(c.prompt_ids, c.token_ids) for c in completions])
-    assert torch.cat([(a - b).abs() for a, b in zip(learner, base)]).mean() > 5 * delta.mean()
+    assert torch.cat([(a - b).abs() for a, b in zip(learner, base, strict=True)]).mean() > 5 * delta.mean()
 
 
 def test_lora_step_moves_both_engines_identically(client, policy, tmp_path):

@@ -2,29 +2,14 @@
 
 import pytest
 import torch
-from safetensors import safe_open
-from transformers import AutoModelForCausalLM
 
 from orbit_runtime.config import AdapterSpec
 from orbit_runtime.errors import OrbitError
-from orbit_runtime.int4.packing import dequantize_int4
+from orbit_runtime.learner.dense_reference import load_dequantized_dense_model
 from orbit_runtime.learner.int4_linear import Int4Linear
 from orbit_runtime.learner.model import load_policy
 
 ADAPTER = AdapterSpec(rank=8, alpha=16)
-
-
-def dense_dequantized_model(demo_dir, int4_dir, dtype=torch.float32):
-    """The demo model with each quantized linear replaced by its dequantized INT4 weight."""
-    model = AutoModelForCausalLM.from_pretrained(demo_dir, dtype=dtype)
-    with safe_open(int4_dir / "model.safetensors", framework="pt") as f:
-        keys = set(f.keys())
-        for name, module in model.named_modules():
-            if f"{name}.weight_packed" in keys:
-                module.weight.data = dequantize_int4(
-                    f.get_tensor(f"{name}.weight_packed"), f.get_tensor(f"{name}.weight_scale"), module.in_features, dtype
-                )
-    return model
 
 
 def test_int4_linear_gradients_match_dense():
@@ -86,7 +71,7 @@ def test_learner_equals_dense_model_on_dequantized_weights(demo_dir, int4_dir, t
             ours_base = policy.token_logprobs(ids)
     adapter_dir = policy.save_adapter(tmp_path / "adapter")
 
-    dense = dense_dequantized_model(demo_dir, int4_dir)
+    dense = load_dequantized_dense_model(demo_dir, int4_dir)
     peft_model = PeftModel.from_pretrained(dense, adapter_dir)
     with torch.no_grad():
         logits = peft_model(input_ids=ids).logits[:, :-1].float()
@@ -105,7 +90,7 @@ def test_completion_logprobs_are_independent_of_batch_padding(int4_dir):
     with torch.no_grad():
         batched = policy.completion_logprobs(pairs)
         alone = [policy.completion_logprobs([pair])[0] for pair in pairs]
-    for b, a, (_, completion) in zip(batched, alone, pairs):
+    for b, a, (_, completion) in zip(batched, alone, pairs, strict=True):
         assert b.shape == (len(completion),)
         assert torch.allclose(b, a, atol=1e-5)
 

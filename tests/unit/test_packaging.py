@@ -35,3 +35,10 @@ def test_no_module_named_operator_shadows_stdlib():
     assert not Path(operator.__file__).is_relative_to(ROOT), "a project module shadows stdlib operator"
     assert not (ROOT / "operator" / "__init__.py").exists() and not (ROOT / "operator.py").exists()
     assert Path(orbit_operator.__file__).parent == ROOT / "operator" / "orbit_operator"
+
+
+def test_ruff_clean():
+    ruff = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which("ruff")
+    assert ruff, "ruff is a test dependency"
+    result = subprocess.run([ruff, "check", "orbit_runtime", "operator", "benchmarks", "tests"], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout
