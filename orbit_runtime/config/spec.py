@@ -1,0 +1,207 @@
+"""The job spec: one pydantic model read from YAML by `orbit train` (and, later, the CRD).
+
+No torch import here: the CLI validates a config instantly. Every section forbids unknown
+keys, so a typo is an error naming the field, not a silently ignored setting.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from orbit_runtime.config.adapter import AdapterSpec
+from orbit_runtime.errors import OrbitError
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelSpec(Section):
+    """The frozen INT4 base (an `orbit quantize` output directory)."""
+
+    path: str = Field(description="INT4 checkpoint directory (compressed-tensors pack-quantized).")
+    dtype: Literal["bf16", "fp16"] = Field("bf16", description="Activation dtype of vLLM and the learner.")
+    learner_dtype: Literal["bf16", "fp16", "fp32"] | None = Field(
+        None, description="Learner compute dtype if it should differ from `dtype` (fp32 is exact but slower)."
+    )
+
+
+class AlgorithmSpec(Section):
+    """GRPO with the options verl and TRL users expect."""
+
+    name: Literal["grpo"] = "grpo"
+    loss_aggregation: Literal["token_mean", "sequence_mean", "token_sum_norm"] = Field(
+        "token_mean",
+        description=(
+            "token_mean: mean over all tokens of the batch (DAPO); sequence_mean: mean per sequence, then over "
+            "sequences (original GRPO); token_sum_norm: sum over tokens / (sequences * max_tokens) (Dr.GRPO)."
+        ),
+    )
+    normalize_advantage_std: bool = Field(True, description="Divide group-centred rewards by the group std (off in Dr.GRPO).")
+    clip_low: float = Field(0.2, ge=0, lt=1, description="PPO ratio clip below 1 - clip_low.")
+    clip_high: float = Field(0.28, ge=0, description="PPO ratio clip above 1 + clip_high (DAPO clip-higher).")
+    kl_beta: float = Field(0.0, ge=0, description="Weight of the k3 KL penalty to the reference policy (0 disables it).")
+    mismatch_correction: Literal["none", "tis", "mis"] = Field(
+        "tis", description="Correct train-rollout mismatch with truncated (tis) or masked (mis) importance sampling."
+    )
+    is_cap: float = Field(2.0, gt=1, description="TIS: weights are min(ratio, cap). MIS: tokens with ratio outside [1/cap, cap] are masked.")
+    epochs_per_batch: int = Field(1, ge=1, le=8, description="Optimizer passes over each rollout batch.")
+
+
+class SyntheticArithmeticData(Section):
+    """Generated `a op b` problems; the answer is checked exactly."""
+
+    type: Literal["synthetic_arithmetic"] = "synthetic_arithmetic"
+    operations: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+"], min_length=1)
+    min_value: int = 0
+    max_value: int = Field(9, description="Operands are drawn from [min_value, max_value].")
+    train_size: int = Field(2000, ge=1)
+    validation_size: int = Field(64, ge=1)
+    seed: int = 0
+    template: str = Field("What is {question}?", description="Prompt text; {question} is replaced by e.g. '3+4'.")
+
+    @model_validator(mode="after")
+    def validate_range(self) -> SyntheticArithmeticData:
+        if self.max_value < self.min_value:
+            raise ValueError(f"max_value ({self.max_value}) must be >= min_value ({self.min_value})")
+        return self
+
+
+class FileData(Section):
+    """Prompts from a local JSONL or Parquet file."""
+
+    type: Literal["jsonl", "parquet"]
+    path: str
+    validation_path: str | None = Field(None, description="Held-out prompts; default: the last validation_size rows of path.")
+    validation_size: int = Field(64, ge=1)
+    prompt_field: str = "prompt"
+    answer_field: str = "answer"
+    template: str | None = Field(None, description="Python format string over the row's fields; default: the prompt field as is.")
+
+
+DataSpec = Annotated[SyntheticArithmeticData | FileData, Field(discriminator="type")]
+
+
+class RewardSpec(Section):
+    """One reward function: a built-in name or a dotted path `package.module:function`."""
+
+    function: str = Field(description="Built-in (exact_match, boxed_format, regex) or 'module.path:callable'.")
+    weight: float = 1.0
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+
+
+class RolloutSpec(Section):
+    group_size: int = Field(8, ge=2, description="Completions sampled per prompt (the GRPO group).")
+    prompts_per_step: int = Field(16, ge=1)
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    use_chat_template: bool = Field(True, description="Wrap prompts with the tokenizer's chat template.")
+    kv_cache_gib: int = Field(1, ge=1, description="vLLM CPU KV cache (VLLM_CPU_KVCACHE_SPACE).")
+    max_model_len: int = Field(512, ge=32)
+    max_restarts: int = Field(2, ge=0, description="Times a dead rollout server is restarted before the run stops.")
+
+
+class ReferenceSpec(Section):
+    mode: Literal["shared", "server"] = Field(
+        "shared", description="shared: the learner's own base with the adapter disabled; server: a separate HTTP process."
+    )
+
+
+class ScheduleSpec(Section):
+    steps: int = Field(100, ge=1)
+    learning_rate: float = Field(1e-4, gt=0)
+    warmup_steps: int = Field(0, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    max_grad_norm: float = Field(1.0, gt=0)
+    seed: int = 0
+
+
+class SyncSpec(Section):
+    canary_sequences: int = Field(4, ge=1, description="Fixed sequences scored by both engines after every sync.")
+    tolerance: float | None = Field(
+        None, gt=0, description="Max mean |dlogp| on the canary; default 2e-2 (fp16/fp32) or 1e-1 (bf16)."
+    )
+    retries: int = Field(2, ge=0, description="Reloads under a fresh name before the step fails.")
+
+
+class EvalSpec(Section):
+    every_steps: int = Field(10, ge=1, description="Greedy validation every N steps (and at start and end).")
+    max_tokens: int | None = Field(None, ge=1, description="Default: rollout.max_tokens.")
+
+
+class RunSpec(Section):
+    name: str = Field("orbit", pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", description="Run name (DNS label).")
+    output_dir: str = Field("runs", description="Runs are written to <output_dir>/<name>/.")
+
+
+class JobSpec(Section):
+    """An RL post-training job: `RLTrainingJob.spec` and the `orbit train` config file."""
+
+    model: ModelSpec
+    adapter: AdapterSpec = Field(default_factory=AdapterSpec)
+    algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
+    data: DataSpec = Field(default_factory=SyntheticArithmeticData)
+    rewards: list[RewardSpec] = Field(default_factory=lambda: [RewardSpec(function="exact_match")], min_length=1)
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec)
+    reference: ReferenceSpec = Field(default_factory=ReferenceSpec)
+    schedule: ScheduleSpec = Field(default_factory=ScheduleSpec)
+    sync: SyncSpec = Field(default_factory=SyncSpec)
+    eval: EvalSpec = Field(default_factory=EvalSpec)
+    run: RunSpec = Field(default_factory=RunSpec)
+
+    def canary_tolerance(self) -> float:
+        if self.sync.tolerance is not None:
+            return self.sync.tolerance
+        return 1e-1 if self.model.dtype == "bf16" else 2e-2
+
+
+def format_validation_error(error: ValidationError, source: str) -> str:
+    """One line per problem, each naming the field by its dotted path."""
+    lines = [f"{source}: invalid job spec"]
+    for item in error.errors():
+        path = ".".join(str(p) for p in item["loc"] if not (isinstance(p, str) and p in ("synthetic_arithmetic", "jsonl", "parquet")))
+        lines.append(f"  {path or '(top level)'}: {item['msg']}")
+    return "\n".join(lines)
+
+
+def parse_job_spec(data: Any, source: str = "config") -> JobSpec:
+    """Validate a dict (from YAML or a CR's spec) into a JobSpec; OrbitError names each bad field."""
+    if not isinstance(data, dict):
+        raise OrbitError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
+    try:
+        return JobSpec.model_validate(data)
+    except ValidationError as exc:
+        raise OrbitError(format_validation_error(exc, source)) from None
+
+
+def load_job_spec(path: Path) -> JobSpec:
+    """Read and validate a YAML job file; relative model/data paths resolve against its folder."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise OrbitError(f"{path}: no such file") from None
+    except yaml.YAMLError as exc:
+        raise OrbitError(f"{path}: not valid YAML ({exc})") from None
+    spec = parse_job_spec(data, str(path))
+    return resolve_paths(spec, path.parent)
+
+
+def resolve_paths(spec: JobSpec, base: Path) -> JobSpec:
+    """Make model and data paths absolute relative to BASE (the config file's folder)."""
+
+    def absolute(value: str) -> str:
+        return value if Path(value).is_absolute() else str((base / value).resolve())
+
+    update: dict[str, Any] = {"model": spec.model.model_copy(update={"path": absolute(spec.model.path)})}
+    if isinstance(spec.data, FileData):
+        data_update = {"path": absolute(spec.data.path)}
+        if spec.data.validation_path:
+            data_update["validation_path"] = absolute(spec.data.validation_path)
+        update["data"] = spec.data.model_copy(update=data_update)
+    return spec.model_copy(update=update)
