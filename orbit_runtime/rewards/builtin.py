@@ -1,0 +1,58 @@
+"""Built-in rewards. The contract (as in TRL): `fn(completions, **kwargs) -> list[float | None]`.
+
+kwargs always include `prompts` and `answers` (lists aligned with `completions`) plus the
+reward's own configured kwargs. None means "not applicable" and counts as 0.
+
+>>> exact_match(["so \\\\boxed{12}", "it is 7", "no idea"], answers=["12", "8", "3"])
+[1.0, 0.0, 0.0]
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def extract_answer(text: str) -> str | None:
+    """The content of the last \\boxed{...}, else the last number in the text."""
+    boxed = _BOXED.findall(text)
+    if boxed:
+        return boxed[-1].strip()
+    numbers = _NUMBER.findall(text)
+    return numbers[-1] if numbers else None
+
+
+def _same(a: str, b: str) -> bool:
+    try:
+        return float(a) == float(b)
+    except ValueError:
+        return a.strip() == b.strip()
+
+
+def exact_match(completions: list[str], *, answers: list[str | None], **_: Any) -> list[float | None]:
+    """1.0 when the extracted final answer equals the reference answer, else 0.0."""
+    out: list[float | None] = []
+    for text, answer in zip(completions, answers, strict=True):
+        if answer is None:
+            out.append(None)
+            continue
+        got = extract_answer(text)
+        out.append(1.0 if got is not None and _same(got, str(answer)) else 0.0)
+    return out
+
+
+def boxed_format(completions: list[str], **_: Any) -> list[float | None]:
+    """1.0 when the completion is exactly one \\boxed{...} answer (surrounding whitespace allowed)."""
+    return [1.0 if _BOXED.fullmatch(text.strip()) else 0.0 for text in completions]
+
+
+def regex(completions: list[str], *, pattern: str, **_: Any) -> list[float | None]:
+    """1.0 when PATTERN (Python re) matches somewhere in the completion."""
+    compiled = re.compile(pattern)
+    return [1.0 if compiled.search(text) else 0.0 for text in completions]
+
+
+BUILTINS = {"exact_match": exact_match, "boxed_format": boxed_format, "regex": regex}

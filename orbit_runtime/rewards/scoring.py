@@ -1,0 +1,94 @@
+"""Turn completions into rewards with the configured functions; a failing reward never
+stops training: the samples it fails on get 0 and are counted."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from orbit_runtime.config.spec import RewardSpec
+from orbit_runtime.errors import OrbitError
+from orbit_runtime.rewards.builtin import BUILTINS
+
+log = logging.getLogger(__name__)
+RewardFn = Callable[..., Any]
+
+
+def load_reward_function(name: str) -> RewardFn:
+    """A built-in by name, or `package.module:callable` / `package.module.callable`."""
+    if name in BUILTINS:
+        return BUILTINS[name]
+    module_name, sep, attr = name.partition(":")
+    if not sep:
+        module_name, _, attr = name.rpartition(".")
+    if not module_name or not attr:
+        raise OrbitError(f"rewards.function {name!r}: not a built-in ({', '.join(BUILTINS)}) nor 'module:callable'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise OrbitError(f"rewards.function {name!r}: cannot import {module_name} ({exc})") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise OrbitError(f"rewards.function {name!r}: {module_name} has no callable {attr!r}")
+    return fn
+
+
+@dataclass
+class RewardResult:
+    total: list[float]  # weighted sum per sample
+    per_function: dict[str, list[float]]
+    errors: dict[str, int] = field(default_factory=dict)  # samples that failed, per function
+
+
+class RewardScorer:
+    """Applies every configured reward (sync or async) and sums them with their weights."""
+
+    def __init__(self, specs: list[RewardSpec]) -> None:
+        self.specs = specs
+        self.functions = [load_reward_function(spec.function) for spec in specs]
+
+    def _call(self, fn: RewardFn, kwargs: dict[str, Any], completions: list[str]) -> list[Any]:
+        result = fn(completions, **kwargs)
+        if inspect.isawaitable(result):
+            result = asyncio.run(_await(result))
+        result = list(result)
+        if len(result) != len(completions):
+            raise ValueError(f"returned {len(result)} rewards for {len(completions)} completions")
+        return result
+
+    def score(self, completions: list[str], prompts: list[str], answers: list[str | None]) -> RewardResult:
+        totals = [0.0] * len(completions)
+        per_function: dict[str, list[float]] = {}
+        errors: dict[str, int] = {}
+        for spec, fn in zip(self.specs, self.functions, strict=True):
+            base_kwargs = {"prompts": prompts, "answers": answers, **spec.kwargs}
+            try:
+                values = self._call(fn, base_kwargs, completions)
+            except Exception:
+                values = self._score_one_by_one(spec, fn, completions, prompts, answers, errors)
+            clean = [float(v) if v is not None else 0.0 for v in values]
+            per_function[spec.function] = clean
+            totals = [t + spec.weight * v for t, v in zip(totals, clean, strict=True)]
+        return RewardResult(total=totals, per_function=per_function, errors=errors)
+
+    def _score_one_by_one(self, spec, fn, completions, prompts, answers, errors) -> list[Any]:
+        """The batch call raised: isolate the failing samples, give them 0, count them."""
+        values: list[Any] = []
+        for i, completion in enumerate(completions):
+            kwargs = {"prompts": [prompts[i]], "answers": [answers[i]], **spec.kwargs}
+            try:
+                values.append(self._call(fn, kwargs, [completion])[0])
+            except Exception as exc:  # a user's reward must not kill the run
+                errors[spec.function] = errors.get(spec.function, 0) + 1
+                log.warning("reward %s failed on sample %d: %s: %s", spec.function, i, type(exc).__name__, exc)
+                values.append(0.0)
+        return values
+
+
+async def _await(awaitable):
+    return await awaitable
