@@ -13,26 +13,17 @@ import torch
 
 from orbit_runtime.config import AdapterSpec
 from orbit_runtime.learner.model import load_policy
-from orbit_runtime.rollout.client import RolloutClient, adapter_name
-from orbit_runtime.rollout.server import VLLMServer, VLLMServerConfig
+from orbit_runtime.rollout.client import adapter_name
+
+from .conftest import RANK
 
 pytestmark = pytest.mark.vllm
-ADAPTER = AdapterSpec(rank=8, alpha=16)
+ADAPTER = AdapterSpec(rank=RANK, alpha=16)
 
 
-@pytest.fixture(scope="module")
-def server(int4_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("logs") / "vllm.log"
-    config = VLLMServerConfig(int4_dir, dtype="float16", max_lora_rank=ADAPTER.rank, log_path=log)
-    with VLLMServer(config) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    client = RolloutClient(server.base_url)
-    yield client
-    client.close()
+@pytest.fixture
+def client(rollout_client):
+    return rollout_client
 
 
 @pytest.fixture(scope="module")

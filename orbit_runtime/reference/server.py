@@ -1,0 +1,83 @@
+"""Reference log-prob service: the INT4 base without adapter, over HTTP on loopback.
+
+In the pod this is the reference container; locally `orbit train` starts it as a process
+when `reference.mode: server`. POST /v1/logprobs {"sequences": [{"prompt_ids": [...],
+"completion_ids": [...]}]} -> {"logprobs": [[...], ...]} (one list per completion token).
+
+    python -m orbit_runtime.reference.server --model-dir INT4_DIR --dtype bf16 --port 8001
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+from pathlib import Path
+
+from pydantic import BaseModel, Field
+
+
+class Sequence(BaseModel):
+    prompt_ids: list[int] = Field(min_length=1)
+    completion_ids: list[int] = Field(min_length=1)
+
+
+class LogprobsRequest(BaseModel):
+    sequences: list[Sequence] = Field(min_length=1)
+
+
+def create_app(model_dir: Path, dtype: str):
+    """FastAPI app serving the base model's completion log-probs (one request at a time)."""
+    import torch
+    from fastapi import FastAPI, HTTPException
+
+    from orbit_runtime.learner.model import Policy, load_int4_base, parse_dtype
+
+    torch_dtype = parse_dtype(dtype)
+    base, _ = load_int4_base(model_dir, torch_dtype)
+    policy = Policy(base, torch_dtype, Path(model_dir))
+    vocab = base.config.vocab_size
+    lock = threading.Lock()  # one forward at a time; requests queue
+    stats = {"requests": 0, "sequences": 0, "seconds": 0.0}
+    app = FastAPI(title="orbit reference")
+
+    @app.get("/health")
+    def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/stats")
+    def get_stats() -> dict:
+        return dict(stats)
+
+    @app.post("/v1/logprobs")
+    def logprobs(request: LogprobsRequest) -> dict:
+        pairs = [(s.prompt_ids, s.completion_ids) for s in request.sequences]
+        for i, (prompt, completion) in enumerate(pairs):
+            bad = [t for t in prompt + completion if not 0 <= t < vocab]
+            if bad:
+                raise HTTPException(422, f"sequences[{i}]: token ids {bad[:3]} outside the vocabulary [0, {vocab})")
+        started = time.monotonic()
+        with lock, torch.no_grad():
+            out = policy.completion_logprobs(pairs)
+        stats["requests"] += 1
+        stats["sequences"] += len(pairs)
+        stats["seconds"] += time.monotonic() - started
+        return {"logprobs": [t.float().tolist() for t in out]}
+
+    return app
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Orbit reference log-prob server")
+    parser.add_argument("--model-dir", type=Path, required=True)
+    parser.add_argument("--dtype", default="bf16")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8001)
+    args = parser.parse_args(argv)
+    import uvicorn
+
+    uvicorn.run(create_app(args.model_dir, args.dtype), host=args.host, port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

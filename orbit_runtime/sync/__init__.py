@@ -1,0 +1,1 @@
+"""Adapter hot-sync: atomic publish of adapter versions and canary-verified loading into vLLM."""

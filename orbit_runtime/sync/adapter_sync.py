@@ -1,0 +1,98 @@
+"""Publish each adapter version atomically and load it into the rollout engine, verified.
+
+Publishing writes the PEFT adapter into a temporary directory and renames it to
+`<run>/adapters/v<N>`: a reader sees a complete version or none. Loading uses a name never
+used before (`orbit-adapter-v<N>`, then `-retry<k>`), because vLLM caches adapters by name.
+Verification scores a fixed canary batch with both engines; if the rollout's log-probs are
+not within tolerance of the learner's, the new name is unloaded again (never served) and the
+load is retried; after the last retry the step fails with SyncError. The previously verified
+version stays served until a new one passes.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from orbit_runtime.rollout.client import RolloutClient, adapter_name
+
+
+class SyncError(RuntimeError):
+    """The rollout engine would not serve the learner's adapter within tolerance."""
+
+
+def adapter_dir(adapters_root: Path, version: int) -> Path:
+    """Where adapter version N lives (the one place that names it)."""
+    return Path(adapters_root) / f"v{version}"
+
+
+def publish_adapter(policy, adapters_root: Path, version: int) -> tuple[Path, int]:
+    """Save the adapter as version VERSION atomically; returns (directory, bytes written)."""
+    adapters_root = Path(adapters_root)
+    adapters_root.mkdir(parents=True, exist_ok=True)
+    final = adapter_dir(adapters_root, version)
+    staging = Path(tempfile.mkdtemp(prefix=f".v{version}.partial-", dir=adapters_root))
+    try:
+        policy.save_adapter(staging)
+        staging.chmod(0o755)
+        if final.exists():
+            shutil.rmtree(final)
+        staging.rename(final)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    size = sum(f.stat().st_size for f in final.rglob("*") if f.is_file())
+    return final, size
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    version: int
+    served_name: str
+    seconds: float
+    canary_mean_abs_dlogp: float
+    attempts: int
+
+
+class AdapterSync:
+    """Loads published adapter versions into vLLM and verifies them on a canary batch."""
+
+    def __init__(self, client: RolloutClient, canary: list[tuple[list[int], list[int]]], tolerance: float, retries: int) -> None:
+        self.client = client
+        self.canary = canary
+        self.tolerance = tolerance
+        self.retries = retries
+        self.served_name: str | None = None
+        self.failures = 0  # canary verifications that failed, over the run
+
+    def rollout_canary(self, name: str) -> list[torch.Tensor]:
+        return [torch.tensor(self.client.score(p + c, model=name)[len(p) - 1 :]) for p, c in self.canary]
+
+    def sync(self, policy, version: int, path: Path) -> SyncResult:
+        """Serve adapter VERSION from PATH, verified against POLICY's current weights."""
+        started = time.monotonic()
+        with torch.no_grad():
+            expected = [t.float().cpu() for t in policy.completion_logprobs(self.canary)]
+        last_delta = float("nan")
+        for attempt in range(self.retries + 1):
+            name = adapter_name(version) if attempt == 0 else f"{adapter_name(version)}-retry{attempt}"
+            self.client.load_adapter(name, path)
+            got = self.rollout_canary(name)
+            last_delta = float(torch.cat([(a - b).abs() for a, b in zip(expected, got, strict=True)]).mean())
+            if last_delta <= self.tolerance:
+                previous, self.served_name = self.served_name, name
+                if previous is not None:
+                    self.client.unload_adapter(previous)
+                return SyncResult(version, name, time.monotonic() - started, last_delta, attempt + 1)
+            self.failures += 1
+            self.client.unload_adapter(name)  # never leave an unverified adapter loaded
+        raise SyncError(
+            f"adapter v{version} from {path}: rollout canary log-probs differ from the learner's by "
+            f"{last_delta:.4f} (tolerance {self.tolerance}) after {self.retries + 1} attempts; "
+            f"still serving {self.served_name or 'the base model'}"
+        )

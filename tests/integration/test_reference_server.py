@@ -1,0 +1,27 @@
+"""The reference server (a real HTTP process) returns the base policy's log-probs, exactly
+what the learner computes with its adapter disabled."""
+
+import torch
+
+from orbit_runtime.config import AdapterSpec
+from orbit_runtime.learner.model import load_policy
+from orbit_runtime.reference.client import ReferenceClient, ReferenceServer, SharedReference
+
+
+def test_reference_server_matches_learner_with_adapter_disabled(int4_dir, tmp_path):
+    policy = load_policy(int4_dir, AdapterSpec(rank=8), dtype="fp32")
+    policy.init_adapter_randomly(std=0.05, seed=0)  # must not leak into the reference
+    pairs = [([97, 86, 84, 70], [18, 19, 12]), ([97, 66], [20, 21, 22, 23, 24])]
+    shared = SharedReference(policy).logprobs(pairs)
+    with ReferenceServer(int4_dir, "fp32", log_path=tmp_path / "ref.log") as server:
+        client = ReferenceClient(server.base_url)
+        remote = client.logprobs(pairs)
+        bad = client._http.post("/v1/logprobs", json={"sequences": [{"prompt_ids": [1], "completion_ids": [10**6]}]})
+        client.close()
+    for a, b, (_, completion) in zip(shared, remote, pairs, strict=True):
+        assert b.shape == (len(completion),)
+        assert torch.allclose(a, b, atol=1e-5)
+    assert bad.status_code == 422 and "outside the vocabulary" in bad.text
+    with torch.no_grad():
+        with_adapter = policy.completion_logprobs(pairs)
+    assert (with_adapter[1] - shared[1]).abs().max() > 1e-3
