@@ -3,6 +3,7 @@ command runs, so `orbit --help` is instant."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Annotated
 
@@ -69,6 +70,49 @@ def demo_model(
         _fail(exc)
     console.print(f"wrote demo model to {path}")
     typer.echo(str(path))
+
+
+@app.command()
+def train(
+    config: Annotated[Path, typer.Argument(help="Job spec YAML (see examples/quickstart.yaml).")],
+    max_steps: Annotated[int | None, typer.Option(help="Stop after N steps (overrides schedule.steps).")] = None,
+    output_dir: Annotated[Path | None, typer.Option(help="Override run.output_dir.")] = None,
+) -> None:
+    """Run GRPO locally: starts vLLM (and the reference server) as child processes, trains the LoRA adapter."""
+    from orbit_runtime.config import load_job_spec
+
+    try:
+        spec = load_job_spec(config)
+    except OrbitError as exc:
+        _fail(exc)
+    if output_dir is not None:
+        spec = spec.model_copy(update={"run": spec.run.model_copy(update={"output_dir": str(output_dir)})})
+    from orbit_runtime.trainer.loop import Trainer
+
+    try:
+        trainer = Trainer(spec, console=console)
+        summary = trainer.run(max_steps=max_steps)
+    except OrbitError as exc:
+        _fail(exc)
+    except KeyboardInterrupt:
+        raise typer.Exit(code=130) from None
+    console.print(
+        f"held-out accuracy: {summary['heldout_accuracy_before']:.1%} before -> {summary['heldout_accuracy_after']:.1%} after "
+        f"{summary['steps']} steps in {summary['wall_seconds']:.0f}s; report {trainer.paths.report}"
+    )
+    typer.echo(json.dumps(summary))
+
+
+@app.command()
+def validate(config: Annotated[Path, typer.Argument(help="Job spec YAML.")]) -> None:
+    """Validate a job spec file, exactly as `orbit train` reads it."""
+    from orbit_runtime.config import load_job_spec
+
+    try:
+        load_job_spec(config)
+    except OrbitError as exc:
+        _fail(exc)
+    console.print(f"{config}: valid")
 
 
 if __name__ == "__main__":

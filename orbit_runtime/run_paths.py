@@ -1,0 +1,40 @@
+"""Every path of a run directory, named in one place: runs/<name>/..."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    root: Path
+
+    @property
+    def metrics(self) -> Path:  # one JSON object per step / evaluation
+        return self.root / "metrics.jsonl"
+
+    @property
+    def summary(self) -> Path:
+        return self.root / "summary.json"
+
+    @property
+    def report(self) -> Path:
+        return self.root / "report.html"
+
+    @property
+    def adapters(self) -> Path:  # adapters/v<N>, see sync.adapter_sync.adapter_dir
+        return self.root / "adapters"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def processes(self) -> Path:  # pids and URLs of the role servers, for operators and tests
+        return self.root / "processes.json"
+
+    def create(self) -> RunPaths:
+        for path in (self.root, self.adapters, self.logs):
+            path.mkdir(parents=True, exist_ok=True)
+        return self

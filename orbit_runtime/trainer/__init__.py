@@ -1,0 +1,1 @@
+"""The learner's RL loop (`orbit train`): rollout, rewards, reference, GRPO update, verified sync."""

@@ -1,0 +1,346 @@
+"""The learner drives the RL loop; the rollout (and reference) roles are HTTP servers.
+
+One step: sample prompts -> vLLM generates a group of completions per prompt (with token
+log-probs) -> rewards -> group advantages -> [reference log-probs] -> learner log-probs ->
+GRPO loss with mismatch correction -> AdamW on the LoRA adapter -> publish adapter v<N+1>
+atomically -> vLLM loads it under a new name -> canary verification. Held-out prompts are
+scored greedily at the start, every `eval.every_steps` and at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from orbit_runtime.algorithms.grpo import LossConfig, LossInputs, group_advantages, grpo_loss
+from orbit_runtime.config.spec import JobSpec
+from orbit_runtime.data.datasets import Example, load_splits
+from orbit_runtime.data.sampler import PromptSampler
+from orbit_runtime.learner.mismatch import measure_mismatch
+from orbit_runtime.learner.model import load_policy
+from orbit_runtime.reference.client import ReferenceClient, ReferenceServer, SharedReference
+from orbit_runtime.rewards.builtin import exact_match
+from orbit_runtime.rewards.scoring import RewardScorer
+from orbit_runtime.rollout.client import Completion
+from orbit_runtime.rollout.server import VLLMServerConfig
+from orbit_runtime.run_paths import RunPaths
+from orbit_runtime.sync.adapter_sync import publish_adapter
+from orbit_runtime.trainer.report import render_report
+from orbit_runtime.trainer.rollout_service import RolloutService
+
+log = logging.getLogger(__name__)
+VLLM_DTYPE = {"bf16": "bfloat16", "fp16": "float16"}
+
+
+class Stopped(Exception):
+    """SIGTERM or Ctrl-C: stop after cleaning up."""
+
+
+@dataclass
+class RunState:
+    step: int = 0
+    adapter_version: int = 0
+    started: float = field(default_factory=time.monotonic)
+    steps: list[dict] = field(default_factory=list)
+    evals: list[dict] = field(default_factory=list)
+    reward_errors: int = 0
+
+
+def _pad(rows: list[torch.Tensor]) -> torch.Tensor:
+    return pad_sequence([r.float() for r in rows], batch_first=True)
+
+
+class Trainer:
+    def __init__(self, spec: JobSpec, console=None) -> None:
+        from transformers import AutoTokenizer
+
+        self.spec = spec
+        self.console = console
+        self.paths = RunPaths(Path(spec.run.output_dir) / spec.run.name).create()
+        torch.manual_seed(spec.schedule.seed)
+        self.tokenizer = AutoTokenizer.from_pretrained(spec.model.path)
+        self.splits = load_splits(spec.data)
+        self.sampler = PromptSampler(size=len(self.splits.train), seed=spec.schedule.seed)
+        self.scorer = RewardScorer(spec.rewards)
+        learner_dtype = spec.model.learner_dtype or spec.model.dtype
+        self.policy = load_policy(Path(spec.model.path), spec.adapter, dtype=learner_dtype)
+        self.optimizer = torch.optim.AdamW(
+            self.policy.trainable_parameters(), lr=spec.schedule.learning_rate, weight_decay=spec.schedule.weight_decay
+        )
+        warmup = spec.schedule.warmup_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)))
+        self.loss_config = LossConfig(
+            clip_low=spec.algorithm.clip_low,
+            clip_high=spec.algorithm.clip_high,
+            kl_beta=spec.algorithm.kl_beta,
+            aggregation=spec.algorithm.loss_aggregation,
+            correction=spec.algorithm.mismatch_correction,
+            is_cap=spec.algorithm.is_cap,
+            max_tokens=spec.rollout.max_tokens,
+        )
+        self.state = RunState()
+        self.rollout: RolloutService | None = None
+        self.reference_server: ReferenceServer | None = None
+        self.reference = None
+
+    # ---- prompts -------------------------------------------------------------------------
+    def encode_prompt(self, example: Example) -> list[int]:
+        if self.spec.rollout.use_chat_template and self.tokenizer.chat_template:
+            text = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": example.prompt}], add_generation_prompt=True, tokenize=False
+            )
+        else:
+            text = example.prompt
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def canary(self) -> list[tuple[list[int], list[int]]]:
+        """Fixed sequences both engines score after each sync: held-out prompts + their answers."""
+        pairs = []
+        for example in self.splits.validation[: self.spec.sync.canary_sequences]:
+            answer = f"\\boxed{{{example.answer}}}" if example.answer is not None else "ok"
+            completion = self.tokenizer.encode(answer, add_special_tokens=False) + [self.tokenizer.eos_token_id]
+            pairs.append((self.encode_prompt(example), completion))
+        return pairs
+
+    # ---- roles ---------------------------------------------------------------------------
+    def start_roles(self) -> None:
+        spec = self.spec
+        vllm_config = VLLMServerConfig(
+            Path(spec.model.path),
+            dtype=VLLM_DTYPE[spec.model.dtype],
+            max_lora_rank=spec.adapter.rank,
+            max_model_len=spec.rollout.max_model_len,
+            kv_cache_gib=spec.rollout.kv_cache_gib,
+            seed=spec.schedule.seed,
+            log_path=self.paths.logs / "vllm.log",
+        )
+        self.rollout = RolloutService(
+            vllm_config, self.canary(), spec.canary_tolerance(), spec.sync.retries, spec.rollout.max_restarts
+        )
+        self.rollout.start()
+        if spec.reference.mode == "server":
+            learner_dtype = spec.model.learner_dtype or spec.model.dtype
+            self.reference_server = ReferenceServer(Path(spec.model.path), learner_dtype, self.paths.logs / "reference.log")
+            self.reference_server.start()
+            self.reference = ReferenceClient(self.reference_server.base_url)
+        else:
+            self.reference = SharedReference(self.policy)
+        self.write_processes()
+
+    def write_processes(self) -> None:
+        roles = {"learner": {"pid": os.getpid()}}
+        if self.rollout and self.rollout.server:
+            roles["rollout"] = {"pid": self.rollout.server.pid, "url": self.rollout.server.base_url, "restarts": self.rollout.restarts}
+        if self.reference_server:
+            roles["reference"] = {"pid": self.reference_server.pid, "url": self.reference_server.base_url}
+        self.paths.processes.write_text(json.dumps(roles, indent=2))
+
+    def stop_roles(self) -> None:
+        if self.rollout:
+            self.rollout.stop()
+        if isinstance(self.reference, ReferenceClient):
+            self.reference.close()
+        if self.reference_server:
+            self.reference_server.stop()
+
+    # ---- evaluation ----------------------------------------------------------------------
+    def evaluate(self) -> dict:
+        """Greedy completions of the held-out prompts through vLLM, scored by the same rewards."""
+        examples = self.splits.validation
+        prompts = [self.encode_prompt(e) for e in examples]
+        max_tokens = self.spec.eval.max_tokens or self.spec.rollout.max_tokens
+        model = self.rollout.served_name
+        groups = self.rollout.call(lambda c: c.generate(prompts, model=model, n=1, max_tokens=max_tokens, temperature=0.0))
+        texts = [self.tokenizer.decode(g[0].token_ids, skip_special_tokens=True) for g in groups]
+        rewards = self.scorer.score(texts, [e.prompt for e in examples], [e.answer for e in examples])
+        correct = [v or 0.0 for v in exact_match(texts, answers=[e.answer for e in examples])]
+        result = {
+            "kind": "eval",
+            "step": self.state.step,
+            "accuracy": sum(correct) / len(correct),
+            "reward_mean": sum(rewards.total) / len(rewards.total),
+            "examples": len(examples),
+            "sample": texts[0][:80],
+        }
+        self.state.evals.append(result)
+        self.record(result)
+        return result
+
+    # ---- one RL step ---------------------------------------------------------------------
+    def step(self) -> dict:
+        spec, state = self.spec, self.state
+        timings: dict[str, float] = {}
+        started = time.monotonic()
+        group = spec.rollout.group_size
+        examples = [self.splits.train[i] for i in self.sampler.next_batch(spec.rollout.prompts_per_step)]
+        prompts = [self.encode_prompt(e) for e in examples]
+
+        t = time.monotonic()
+        model = self.rollout.served_name
+        groups = self.rollout.call(
+            lambda c: c.generate(prompts, model=model, n=group, max_tokens=spec.rollout.max_tokens,
+                                 temperature=spec.rollout.temperature, top_p=spec.rollout.top_p)  # fmt: skip
+        )
+        completions: list[Completion] = [c for g in groups for c in g]
+        timings["generate_s"] = time.monotonic() - t
+
+        t = time.monotonic()
+        texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
+        per_sample = [e for e in examples for _ in range(group)]
+        rewards = self.scorer.score(texts, [e.prompt for e in per_sample], [e.answer for e in per_sample])
+        state.reward_errors += sum(rewards.errors.values())
+        reward_tensor = torch.tensor(rewards.total)
+        advantages = group_advantages(reward_tensor, group, spec.algorithm.normalize_advantage_std)
+        timings["reward_s"] = time.monotonic() - t
+
+        pairs = [(c.prompt_ids, c.token_ids) for c in completions]
+        rollout_lp = [torch.tensor(c.logprobs) for c in completions]
+        mask = _pad([torch.ones(len(c.token_ids)) for c in completions])
+        t = time.monotonic()
+        ref_lp = _pad(self.reference.logprobs(pairs)) if spec.algorithm.kl_beta > 0 else None
+        timings["reference_s"] = time.monotonic() - t
+
+        t = time.monotonic()
+        with torch.no_grad():
+            old_lp_list = [x.float() for x in self.policy.completion_logprobs(pairs)]
+        mismatch = measure_mismatch(old_lp_list, rollout_lp)
+        old_lp, rollout_padded = _pad(old_lp_list), _pad(rollout_lp)
+        for _ in range(spec.algorithm.epochs_per_batch):
+            new_lp = _pad(self.policy.completion_logprobs(pairs))
+            out = grpo_loss(LossInputs(new_lp, old_lp, rollout_padded, advantages, mask, ref_lp), self.loss_config)
+            self.optimizer.zero_grad(set_to_none=True)
+            out.loss.backward()
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.policy.trainable_parameters(), spec.schedule.max_grad_norm))
+            self.optimizer.step()
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        timings["train_s"] = time.monotonic() - t
+
+        t = time.monotonic()
+        state.adapter_version += 1
+        path, size = publish_adapter(self.policy, self.paths.adapters, state.adapter_version)
+        sync = self.rollout.publish(self.policy, state.adapter_version, path)
+        timings["sync_s"] = time.monotonic() - t
+        self._prune_adapters(keep=2)
+        state.step += 1
+
+        step_s = time.monotonic() - started
+        tokens = sum(len(c.token_ids) for c in completions)
+        n = len(rewards.total)
+        mean = sum(rewards.total) / n
+        record = {
+            "kind": "step",
+            "step": state.step,
+            "reward_mean": mean,
+            "reward_std": math.sqrt(sum((r - mean) ** 2 for r in rewards.total) / n),
+            "reward_errors": sum(rewards.errors.values()),
+            "loss": float(out.loss.detach()),
+            "policy_loss": out.policy_loss,
+            "kl": out.kl,
+            "clip_fraction": out.clip_fraction,
+            "is_weight_mean": out.is_weight_mean,
+            "grad_norm": grad_norm,
+            "learning_rate": lr,
+            "mismatch_mean_abs": mismatch.mean_abs_dlogp,
+            "mismatch_max_abs": mismatch.max_abs_dlogp,
+            "mismatch_k3_kl": mismatch.k3_kl,
+            "samples": n,
+            "tokens": tokens,
+            "tokens_per_second": tokens / step_s,
+            "adapter_version": state.adapter_version,
+            "adapter_bytes": size,
+            "sync_seconds": sync.seconds,
+            "sync_attempts": sync.attempts,
+            "canary_mean_abs_dlogp": sync.canary_mean_abs_dlogp,
+            "rollout_restarts": self.rollout.restarts,
+            "step_seconds": step_s,
+            **{k: round(v, 4) for k, v in timings.items()},
+        }
+        state.steps.append(record)
+        self.record(record)
+        if self.rollout.restarts and json.loads(self.paths.processes.read_text())["rollout"]["pid"] != self.rollout.server.pid:
+            self.write_processes()
+        return record
+
+    def _prune_adapters(self, keep: int) -> None:
+        """Keep the last KEEP versions on disk (the served one and its successor)."""
+        import shutil
+
+        for old in range(1, self.state.adapter_version - keep + 1):
+            shutil.rmtree(self.paths.adapters / f"v{old}", ignore_errors=True)
+
+    def record(self, row: dict) -> None:
+        with open(self.paths.metrics, "a") as f:
+            f.write(json.dumps({"time": time.time(), **row}) + "\n")
+
+    # ---- the run -------------------------------------------------------------------------
+    def run(self, max_steps: int | None = None) -> dict:
+        """Train for schedule.steps (or MAX_STEPS); returns the summary also written to summary.json."""
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+        total = max_steps or self.spec.schedule.steps
+        previous = signal.signal(signal.SIGTERM, _raise_stopped)
+        interrupted = False
+        try:
+            self.start_roles()
+            before = self.evaluate()
+            self._say(f"held-out accuracy before RL: {before['accuracy']:.1%} ({before['examples']} prompts, greedy)")
+            columns = [TextColumn("[bold]RL"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                       TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn()]  # fmt: skip
+            with Progress(*columns, console=self.console, transient=False) as progress:
+                task = progress.add_task("train", total=total, info="")
+                while self.state.step < total:
+                    row = self.step()
+                    if self.state.step % self.spec.eval.every_steps == 0 and self.state.step < total:
+                        self.evaluate()
+                    acc = self.state.evals[-1]["accuracy"]
+                    progress.update(task, completed=self.state.step, info=(
+                        f"reward {row['reward_mean']:.2f} | held-out {acc:.0%} | mismatch {row['mismatch_mean_abs']:.1e} "
+                        f"| {row['tokens_per_second']:.0f} tok/s"))  # fmt: skip
+            after = self.evaluate()
+            self._say(f"held-out accuracy after RL:  {after['accuracy']:.1%} (step {self.state.step})")
+        except (KeyboardInterrupt, Stopped):
+            interrupted = True
+            self._say(f"stopped at step {self.state.step}; servers shut down")
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            self.stop_roles()
+        summary = self.write_summary(interrupted)
+        if interrupted:
+            raise KeyboardInterrupt
+        return summary
+
+    def write_summary(self, interrupted: bool) -> dict:
+        evals = self.state.evals
+        summary = {
+            "heldout_accuracy_before": evals[0]["accuracy"] if evals else None,
+            "heldout_accuracy_after": evals[-1]["accuracy"] if len(evals) > 1 else None,
+            "steps": self.state.step,
+            "wall_seconds": round(time.monotonic() - self.state.started, 1),
+            "adapter_version": self.state.adapter_version,
+            "rollout_restarts": self.rollout.restarts if self.rollout else 0,
+            "canary_failures": self.rollout.canary_failures if self.rollout else 0,
+            "reward_errors": self.state.reward_errors,
+            "interrupted": interrupted,
+        }
+        self.paths.summary.write_text(json.dumps(summary, indent=2) + "\n")
+        self.paths.report.write_text(render_report(self.spec.run.name, self.state.steps, evals, summary))
+        return summary
+
+    def _say(self, text: str) -> None:
+        if self.console is not None:
+            self.console.print(text)
+        log.info(text)
+
+
+def _raise_stopped(signum, frame) -> None:
+    raise Stopped(f"signal {signum}")
