@@ -59,6 +59,9 @@ def quantize(
 def demo_model(
     out_dir: Annotated[Path, typer.Argument(help="Directory to write the tiny model and tokenizer to.")],
     seed: Annotated[int, typer.Option(help="Random seed of the weights.")] = 0,
+    warmup_steps: Annotated[
+        int, typer.Option(help="Supervised warm-up steps standing in for pretraining (0: random weights).")
+    ] = 0,
     overwrite: Annotated[bool, typer.Option(help="Replace OUT_DIR if it is not empty.")] = False,
 ) -> None:
     """Write a tiny Qwen2-architecture model with a local character-level tokenizer (no network)."""
@@ -68,6 +71,11 @@ def demo_model(
         path = write_demo_model(out_dir, seed=seed, overwrite=overwrite)
     except OrbitError as exc:
         _fail(exc)
+    if warmup_steps:
+        from orbit_runtime.demo_warmup import warm_up
+
+        loss = warm_up(path, steps=warmup_steps, seed=seed)
+        console.print(f"warm-up: {warmup_steps} supervised steps on raw arithmetic text + answer format, final loss {loss:.3f}")
     console.print(f"wrote demo model to {path}")
     typer.echo(str(path))
 

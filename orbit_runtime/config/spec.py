@@ -193,12 +193,15 @@ def load_job_spec(path: Path) -> JobSpec:
 
 
 def resolve_paths(spec: JobSpec, base: Path) -> JobSpec:
-    """Make model and data paths absolute relative to BASE (the config file's folder)."""
+    """Make model, data and output paths absolute relative to BASE (the config file's folder)."""
 
     def absolute(value: str) -> str:
         return value if Path(value).is_absolute() else str((base / value).resolve())
 
-    update: dict[str, Any] = {"model": spec.model.model_copy(update={"path": absolute(spec.model.path)})}
+    update: dict[str, Any] = {
+        "model": spec.model.model_copy(update={"path": absolute(spec.model.path)}),
+        "run": spec.run.model_copy(update={"output_dir": absolute(spec.run.output_dir)}),
+    }
     if isinstance(spec.data, FileData):
         data_update = {"path": absolute(spec.data.path)}
         if spec.data.validation_path:

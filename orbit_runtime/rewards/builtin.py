@@ -16,11 +16,13 @@ _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
-def extract_answer(text: str) -> str | None:
-    """The content of the last \\boxed{...}, else the last number in the text."""
+def extract_answer(text: str, require_boxed: bool = False) -> str | None:
+    """The content of the last \\boxed{...}, else (unless REQUIRE_BOXED) the last number in the text."""
     boxed = _BOXED.findall(text)
     if boxed:
         return boxed[-1].strip()
+    if require_boxed:
+        return None
     numbers = _NUMBER.findall(text)
     return numbers[-1] if numbers else None
 
@@ -32,14 +34,19 @@ def _same(a: str, b: str) -> bool:
         return a.strip() == b.strip()
 
 
-def exact_match(completions: list[str], *, answers: list[str | None], **_: Any) -> list[float | None]:
-    """1.0 when the extracted final answer equals the reference answer, else 0.0."""
+def exact_match(
+    completions: list[str], *, answers: list[str | None], require_boxed: bool = False, **_: Any
+) -> list[float | None]:
+    """1.0 when the extracted final answer equals the reference answer, else 0.0.
+
+    With REQUIRE_BOXED only a \\boxed{...} answer counts (no fallback to the last number).
+    """
     out: list[float | None] = []
     for text, answer in zip(completions, answers, strict=True):
         if answer is None:
             out.append(None)
             continue
-        got = extract_answer(text)
+        got = extract_answer(text, require_boxed)
         out.append(1.0 if got is not None and _same(got, str(answer)) else 0.0)
     return out
 

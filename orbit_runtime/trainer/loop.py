@@ -162,7 +162,8 @@ class Trainer:
         groups = self.rollout.call(lambda c: c.generate(prompts, model=model, n=1, max_tokens=max_tokens, temperature=0.0))
         texts = [self.tokenizer.decode(g[0].token_ids, skip_special_tokens=True) for g in groups]
         rewards = self.scorer.score(texts, [e.prompt for e in examples], [e.answer for e in examples])
-        correct = [v or 0.0 for v in exact_match(texts, answers=[e.answer for e in examples])]
+        match_kwargs = next((r.kwargs for r in self.spec.rewards if r.function == "exact_match"), {})
+        correct = [v or 0.0 for v in exact_match(texts, answers=[e.answer for e in examples], **match_kwargs)]
         result = {
             "kind": "eval",
             "step": self.state.step,

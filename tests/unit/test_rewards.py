@@ -16,6 +16,7 @@ def test_builtins():
     assert extract_answer("the answer is 7. Or -4") == "-4"
     assert extract_answer("none") is None
     assert exact_match(["\\boxed{12}", "12.0", "13", "x"], answers=["12", "12", "12", None]) == [1.0, 1.0, 0.0, None]
+    assert exact_match(["\\boxed{12}", "12"], answers=["12", "12"], require_boxed=True) == [1.0, 0.0]
     assert boxed_format(["\\boxed{3}", " \\boxed{3}\n", "so \\boxed{3}", "\\boxed{3"]) == [1.0, 1.0, 0.0, 0.0]
     assert regex(["abc", "xyz"], pattern="b.") == [1.0, 0.0]
 

@@ -1,0 +1,140 @@
+"""`orbit train` end to end, as a user runs it: a real learner process, a real vLLM server,
+a real reference server. Faults are injected from outside, the way they happen."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.vllm
+
+FRAGILE_REWARD = textwrap.dedent(
+    """
+    def fragile(completions, **kwargs):
+        if any("7" in c for c in completions):
+            raise RuntimeError("reward backend exploded")
+        return [0.1 for _ in completions]
+    """
+)
+
+
+def _job(tmp_path: Path, int4_dir: Path, **overrides) -> Path:
+    job = {
+        "model": {"path": str(int4_dir), "dtype": "fp16", "learner_dtype": "fp32"},
+        "adapter": {"rank": 8, "alpha": 16},
+        "data": {"type": "synthetic_arithmetic", "max_value": 9, "validation_size": 8},
+        "rollout": {"group_size": 4, "prompts_per_step": 4, "max_tokens": 6},
+        "schedule": {"steps": 4, "learning_rate": 1e-3},
+        "eval": {"every_steps": 2},
+        "run": {"name": "t", "output_dir": str(tmp_path / "runs")},
+    }
+    for key, value in overrides.items():
+        job[key] = value
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
+def _orbit(*args: str, cwd: Path, env_extra: dict | None = None) -> subprocess.Popen:
+    env = {**os.environ, **(env_extra or {})}
+    return subprocess.Popen([sys.executable, "-m", "orbit_runtime.cli", *args], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purposes
+        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _steps(run: Path) -> list[dict]:
+    if not (run / "metrics.jsonl").exists():
+        return []
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["kind"] == "step"]
+
+
+def test_run_survives_rollout_death_and_a_raising_reward(tmp_path, int4_dir):
+    (tmp_path / "plugins").mkdir()
+    (tmp_path / "plugins" / "fragile_rewards.py").write_text(FRAGILE_REWARD)
+    config = _job(
+        tmp_path, int4_dir,
+        rewards=[{"function": "exact_match"}, {"function": "fragile_rewards:fragile"}],
+        reference={"mode": "server"},
+        algorithm={"kl_beta": 0.05},
+        schedule={"steps": 5, "learning_rate": 1e-3},
+    )  # fmt: skip
+    run = tmp_path / "runs" / "t"
+    proc = _orbit("train", str(config), cwd=tmp_path, env_extra={"PYTHONPATH": str(tmp_path / "plugins")})
+    try:
+        _wait_for(lambda: len(_steps(run)) >= 2, 300, "two training steps")
+        roles = json.loads((run / "processes.json").read_text())
+        os.kill(roles["rollout"]["pid"], signal.SIGKILL)  # the rollout server dies mid-run
+        output, _ = proc.communicate(timeout=600)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, output[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 5 and summary["rollout_restarts"] == 1
+    assert summary["reward_errors"] > 0  # the raising reward was isolated and counted
+    steps = _steps(run)
+    assert [s["step"] for s in steps] == [1, 2, 3, 4, 5]
+    assert [s["adapter_version"] for s in steps] == [1, 2, 3, 4, 5]
+    assert all(s["kl"] > 0 for s in steps[1:])  # reference server answered after the first update
+    assert max(s["mismatch_mean_abs"] for s in steps) < 2e-2
+    assert sorted(p.name for p in (run / "adapters").iterdir()) == ["v4", "v5"]
+    assert (run / "report.html").read_text().count("<svg") >= 4
+    roles = json.loads((run / "processes.json").read_text())
+    assert roles["rollout"]["restarts"] == 1
+    for role in ("rollout", "reference"):
+        assert not _alive(roles[role]["pid"]), f"{role} server outlived the run"
+
+
+def test_ctrl_c_stops_cleanly_without_orphans(tmp_path, int4_dir):
+    config = _job(tmp_path, int4_dir, schedule={"steps": 50, "learning_rate": 1e-3})
+    run = tmp_path / "runs" / "t"
+    proc = _orbit("train", str(config), cwd=tmp_path)
+    try:
+        _wait_for(lambda: len(_steps(run)) >= 1, 300, "the first training step")
+        roles = json.loads((run / "processes.json").read_text())
+        proc.send_signal(signal.SIGINT)
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, output[-2000:]
+    assert "stopped at step" in output
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["interrupted"] is True and 1 <= summary["steps"] < 50
+    _wait_for(lambda: not _alive(roles["rollout"]["pid"]), 30, "the vLLM server to exit")
+
+
+def test_config_errors_name_the_field(tmp_path, int4_dir):
+    config = _job(tmp_path, int4_dir, rollout={"group_size": 1, "max_tokenz": 4})
+    result = subprocess.run([sys.executable, "-m", "orbit_runtime.cli", "train", str(config)], capture_output=True, text=True)
+    assert result.returncode == 2
+    assert "rollout.group_size" in result.stderr and "rollout.max_tokenz" in result.stderr
+    assert "Traceback" not in result.stderr
