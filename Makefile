@@ -1,7 +1,7 @@
 # One command each on a fresh machine:
 #   make test   create .venv, install Orbit with the CPU rollout engine, run the test suite
-#   make demo   create .venv, install, build + quantize the demo model, measure the
-#               train-rollout mismatch of Orbit vs the traditional path on a real vLLM server
+#   make demo   create .venv, install, build + warm up + quantize the demo model, then run
+#               GRPO on it (examples/quickstart.yaml) and print held-out accuracy before/after
 SHELL := /bin/bash
 .SHELLFLAGS := -eo pipefail -c
 .DEFAULT_GOAL := help
@@ -10,7 +10,8 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.orbit-installed
-RUN_DIR ?= runs/demo
+# where examples/quickstart.yaml looks for its base
+RUN_DIR := runs/quickstart
 # pip prints one harmless warning per package for this machine's local index folders;
 # sed (unlike grep) never fails, so pipefail still reports pip's own exit status
 PIP_FILTER := sed '/is ignored: it is neither a file nor a directory/d'
@@ -19,7 +20,7 @@ PIP_FILTER := sed '/is ignored: it is neither a file nor a directory/d'
 
 help:
 	@echo "make test   - set up .venv and run the test suite (real vLLM CPU server included)"
-	@echo "make demo   - set up .venv, build and quantize the demo model, run the mismatch benchmark"
+	@echo "make demo   - set up .venv, build + quantize the demo model, train it with GRPO (examples/quickstart.yaml)"
 	@echo "make bench  - run every CPU benchmark (mismatch, memory) into bench-out/"
 
 $(STAMP): pyproject.toml
@@ -40,13 +41,15 @@ test-fast: install
 	$(PY) -m pytest -m "not vllm"
 
 demo: install
-	$(VENV)/bin/orbit demo-model $(RUN_DIR)/model --overwrite
-	$(VENV)/bin/orbit quantize $(RUN_DIR)/model $(RUN_DIR)/model-int4 --overwrite
-	$(PY) benchmarks/mismatch.py --model-dir $(RUN_DIR)/model --int4-dir $(RUN_DIR)/model-int4 --json $(RUN_DIR)/mismatch.json
+	$(VENV)/bin/orbit demo-model $(RUN_DIR)/base --warmup-steps 400 --overwrite
+	$(VENV)/bin/orbit quantize $(RUN_DIR)/base $(RUN_DIR)/base-int4 --overwrite
+	$(VENV)/bin/orbit train examples/quickstart.yaml
 
 bench: install
 	$(PY) benchmarks/mismatch.py --json bench-out/mismatch.json
 	$(PY) benchmarks/memory.py --json bench-out/memory.json
+	$(PY) -m pip install -q '.[bench]' 2>&1 | $(PIP_FILTER)
+	$(PY) benchmarks/vs_trl.py --json bench-out/vs_trl.json
 
 clean:
 	rm -rf $(VENV) runs bench-out .pytest_cache

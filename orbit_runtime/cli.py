@@ -75,7 +75,7 @@ def demo_model(
         from orbit_runtime.demo_warmup import warm_up
 
         loss = warm_up(path, steps=warmup_steps, seed=seed)
-        console.print(f"warm-up: {warmup_steps} supervised steps on raw arithmetic text + answer format, final loss {loss:.3f}")
+        console.print(f"warm-up: {warmup_steps} supervised steps on the answer format (other questions), final loss {loss:.3f}")
     console.print(f"wrote demo model to {path}")
     typer.echo(str(path))
 

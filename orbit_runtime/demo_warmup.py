@@ -1,12 +1,12 @@
 """A brief supervised warm-up of the demo model, standing in for pretraining.
 
-Real RL starts from a pretrained model that already holds the skills RL elicits. The demo
-model starts random, so it first learns, as plain text (full-parameter SFT of the 16-bit
-model, before quantization):
-  * arithmetic facts as raw text, "3+4=7" (the "pretraining corpus"), and
-  * the chat answer format on OTHER problems: "What is 37?" -> "\\boxed{37}".
-It never sees an addition question in chat form, so it does not answer "What is 3+4?" with
-"\\boxed{7}" (it tends to copy a number); RL on the INT4 base + LoRA is what connects the two.
+Real RL starts from a pretrained model that can already read a question and write an
+answer in the expected format. The demo model starts random, so it first learns (full-
+parameter SFT of the 16-bit model, before quantization) the answer format on OTHER
+problems: "What is 437?" and "What is 437*1?" -> "\\boxed{437}". It never sees another
+multiplier, so it answers "What is 43*10?" with "\\boxed{43}"; RL on the INT4 base + LoRA is
+what teaches it to multiply by ten, a rule it then applies to questions never used in RL
+(the held-out accuracy).
 """
 
 from __future__ import annotations
@@ -14,24 +14,19 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from orbit_runtime.demo_model import CHAT_TEMPLATE  # noqa: F401  (documents the format used below)
-
-
-def warmup_corpus(seed: int, max_value: int = 9) -> list[tuple[str, str]]:
-    """(prompt, completion) text pairs; the loss is on the completion only."""
+def warmup_corpus(seed: int, count: int = 600) -> list[tuple[str, str]]:
+    """(prompt, completion) text pairs in the chat format; the loss is on the completion only."""
     rng = random.Random(seed)
-    pairs: list[tuple[str, str]] = []
-    for a in range(max_value + 1):
-        for b in range(max_value + 1):
-            pairs.append((f"{a}+{b}=", f"{a + b}\n"))
-    for n in range(100):
-        prompt = f"<|im_start|>user\nWhat is {n}?<|im_end|>\n<|im_start|>assistant\n"
+    numbers = list(range(100)) + [rng.randrange(100, 10000) for _ in range(count - 100)]
+    pairs = []
+    for i, n in enumerate(numbers):
+        question = f"{n}*1" if i % 2 else str(n)
+        prompt = f"<|im_start|>user\nWhat is {question}?<|im_end|>\n<|im_start|>assistant\n"
         pairs.append((prompt, f"\\boxed{{{n}}}<|im_end|>"))
-    rng.shuffle(pairs)
     return pairs
 
 
-def warm_up(model_dir: Path, steps: int = 300, seed: int = 0, lr: float = 3e-3, batch: int = 32) -> float:
+def warm_up(model_dir: Path, steps: int = 400, seed: int = 0, lr: float = 3e-3, batch: int = 32) -> float:
     """Train MODEL_DIR in place on `warmup_corpus`; returns the final loss."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -34,6 +34,15 @@ class RunPaths:
     def processes(self) -> Path:  # pids and URLs of the role servers, for operators and tests
         return self.root / "processes.json"
 
+    def start_fresh(self) -> None:
+        """A new run in an existing directory: drop the previous run's outputs (not its logs)."""
+        import shutil
+
+        for path in (self.metrics, self.summary, self.report, self.processes):
+            path.unlink(missing_ok=True)
+        shutil.rmtree(self.adapters, ignore_errors=True)
+        self.adapters.mkdir(parents=True)
+
     def create(self) -> RunPaths:
         for path in (self.root, self.adapters, self.logs):
             path.mkdir(parents=True, exist_ok=True)

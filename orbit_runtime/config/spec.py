@@ -59,6 +59,9 @@ class SyntheticArithmeticData(Section):
     operations: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+"], min_length=1)
     min_value: int = 0
     max_value: int = Field(9, description="Operands are drawn from [min_value, max_value].")
+    right_values: list[int] | None = Field(
+        None, min_length=1, description="If set, the right operand takes only these values (e.g. [10] for 'n*10')."
+    )
     train_size: int = Field(2000, ge=1)
     validation_size: int = Field(64, ge=1)
     seed: int = 0

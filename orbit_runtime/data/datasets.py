@@ -36,7 +36,8 @@ def arithmetic_splits(spec: SyntheticArithmeticData) -> Splits:
     the rest.
     """
     values = range(spec.min_value, spec.max_value + 1)
-    problems = [(a, op, b) for op in spec.operations for a, b in itertools.product(values, values)]
+    right = spec.right_values or values
+    problems = [(a, op, b) for op in spec.operations for a, b in itertools.product(values, right)]
     rng = random.Random(spec.seed)
     rng.shuffle(problems)
     if len(problems) <= spec.validation_size:

@@ -51,6 +51,28 @@ def exact_match(
     return out
 
 
+def prefix_match(
+    completions: list[str], *, answers: list[str | None], require_boxed: bool = True, **_: Any
+) -> list[float | None]:
+    """Partial credit: the share of the answer's leading characters reproduced, penalising
+    extra length: common_prefix / max(len(answer), len(extracted)). Dense where exact_match is
+    sparse, so a group of samples is rarely all-zero.
+    """
+    out: list[float | None] = []
+    for text, answer in zip(completions, answers, strict=True):
+        if answer is None:
+            out.append(None)
+            continue
+        got, want = extract_answer(text, require_boxed) or "", str(answer)
+        common = 0
+        for a, b in zip(got, want):
+            if a != b:
+                break
+            common += 1
+        out.append(common / max(len(got), len(want), 1))
+    return out
+
+
 def boxed_format(completions: list[str], **_: Any) -> list[float | None]:
     """1.0 when the completion is exactly one \\boxed{...} answer (surrounding whitespace allowed)."""
     return [1.0 if _BOXED.fullmatch(text.strip()) else 0.0 for text in completions]
@@ -62,4 +84,4 @@ def regex(completions: list[str], *, pattern: str, **_: Any) -> list[float | Non
     return [1.0 if compiled.search(text) else 0.0 for text in completions]
 
 
-BUILTINS = {"exact_match": exact_match, "boxed_format": boxed_format, "regex": regex}
+BUILTINS = {"exact_match": exact_match, "prefix_match": prefix_match, "boxed_format": boxed_format, "regex": regex}

@@ -66,6 +66,7 @@ class Trainer:
         self.spec = spec
         self.console = console
         self.paths = RunPaths(Path(spec.run.output_dir) / spec.run.name).create()
+        self.paths.start_fresh()
         torch.manual_seed(spec.schedule.seed)
         self.tokenizer = AutoTokenizer.from_pretrained(spec.model.path)
         self.splits = load_splits(spec.data)

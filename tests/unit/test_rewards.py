@@ -74,3 +74,10 @@ def test_bad_reward_names_are_clear():
         RewardScorer([RewardSpec(function="no_such_module:fn")])
     with pytest.raises(OrbitError, match="no callable 'nope'"):
         RewardScorer([RewardSpec(function="json:nope")])
+
+
+def test_prefix_match_gives_partial_credit():
+    from orbit_runtime.rewards.builtin import prefix_match
+
+    scores = prefix_match(["\\boxed{470}", "\\boxed{47}", "\\boxed{4700}", "\\boxed{9}", "470"], answers=["470"] * 5)
+    assert scores == [1.0, 2 / 3, 3 / 4, 0.0, 0.0]
