@@ -14,6 +14,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+
 def warmup_corpus(seed: int, count: int = 600) -> list[tuple[str, str]]:
     """(prompt, completion) text pairs in the chat format; the loss is on the completion only."""
     rng = random.Random(seed)

@@ -65,7 +65,7 @@ def prefix_match(
             continue
         got, want = extract_answer(text, require_boxed) or "", str(answer)
         common = 0
-        for a, b in zip(got, want):
+        for a, b in zip(got, want, strict=False):  # unequal lengths: compare the common part
             if a != b:
                 break
             common += 1
