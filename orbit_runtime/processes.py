@@ -93,6 +93,14 @@ class ManagedServer:
     def alive(self) -> bool:
         return self._process is not None and self._process.poll() is None
 
+    def alive_after(self, grace_s: float) -> bool:
+        """Whether the process is still running after up to GRACE_S seconds: a request can
+        fail a moment before the kernel reports its server dead."""
+        deadline = time.monotonic() + grace_s
+        while self.alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return self.alive()
+
     def log_tail(self, lines: int = 40) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])

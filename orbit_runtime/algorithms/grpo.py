@@ -32,9 +32,13 @@ def group_advantages(rewards: torch.Tensor, group_size: int, normalize_std: bool
 
 
 def k3_kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
-    """Per-token k3 estimate of KL(policy || reference): exp(d) - d - 1, d = ref - policy."""
+    """Per-token k3 estimate of KL(policy || reference): exp(d) - d - 1, d = ref - policy.
+
+    Written as expm1(d) - d: for the small d of a policy near its reference, exp(d) - 1
+    cancels to 0 in fp32.
+    """
     delta = ref_logprobs - logprobs
-    return torch.exp(delta) - delta - 1
+    return torch.expm1(delta) - delta
 
 
 def mismatch_weights(

@@ -80,7 +80,7 @@ class RolloutService:
             try:
                 return fn(self.client)
             except (httpx.HTTPError, RuntimeError) as exc:
-                if self.server.alive():
+                if self.server.alive_after(grace_s=5.0):
                     raise
                 self._restart(exc)
 
