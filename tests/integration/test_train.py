@@ -99,13 +99,15 @@ def test_run_survives_rollout_death_and_a_raising_reward(tmp_path, int4_dir):
         proc.kill()
     assert proc.returncode == 0, output[-3000:]
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["steps"] == 5 and summary["rollout_restarts"] == 1
+    assert summary["steps"] == 5 and summary["rollout_restarts"] == 1, summary
     assert summary["reward_errors"] > 0  # the raising reward was isolated and counted
     steps = _steps(run)
     assert [s["step"] for s in steps] == [1, 2, 3, 4, 5]
     assert [s["adapter_version"] for s in steps] == [1, 2, 3, 4, 5]
-    assert all(s["kl"] > 0 for s in steps[1:])  # reference server answered after the first update
-    assert max(s["mismatch_mean_abs"] for s in steps) < 2e-2
+    # the reference server answered every step (the KL itself is 0 until the adapter moves,
+    # which a random model with all-equal rewards in a group may not do)
+    assert all(s["reference_s"] > 0 and s["kl"] >= 0 for s in steps), steps
+    assert max(s["mismatch_mean_abs"] for s in steps) < 2e-2, [s["mismatch_mean_abs"] for s in steps]
     assert sorted(p.name for p in (run / "adapters").iterdir()) == ["v4", "v5"]
     assert (run / "report.html").read_text().count("<svg") >= 4
     roles = json.loads((run / "processes.json").read_text())
