@@ -38,3 +38,15 @@ def test_cli_refuses_non_empty_dir(tmp_path):
     result = subprocess.run([sys.executable, "-m", "orbit_runtime.cli", "demo-model", str(tmp_path / "x")], capture_output=True, text=True)
     assert result.returncode == 2 and "--overwrite" in result.stderr
     assert (tmp_path / "x" / "keep.txt").read_text() == "data"
+
+
+def test_warmup_corpus_never_shows_the_rl_task():
+    """The warm-up teaches the answer format on other questions; 'N*10' is left to RL."""
+    import re
+
+    from orbit_runtime.demo_warmup import warmup_corpus
+
+    corpus = warmup_corpus(seed=0)
+    multipliers = {m for prompt, _ in corpus for m in re.findall(r"\*(\d+)", prompt)}
+    assert multipliers == {"1"}
+    assert all(completion.startswith("\\boxed{") for _, completion in corpus)
