@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from orbit_runtime.atomic_dir import atomic_directory
 from orbit_runtime.errors import OrbitError
 from orbit_runtime.int4.schemes import WeightScheme, matches_any
 
@@ -132,10 +132,7 @@ def quantize_checkpoint(
                 elif len(shape) == 2 and name.endswith(".weight"):
                     ignored.add(name.removesuffix(".weight"))
 
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
-    staging.chmod(0o755)  # mkdtemp makes it owner-only; other roles (uids) read the base
-    try:
+    with atomic_directory(dst) as staging:
         weight_map: dict[str, str] = {}
         for shard in shards:
             out: dict = {}
@@ -167,12 +164,5 @@ def quantize_checkpoint(
         report.ignored_modules = sorted(ignored | {"lm_head"})
         config["quantization_config"] = scheme.quantization_config(ignore=report.ignored_modules)
         (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-
-        if dst.exists():
-            shutil.rmtree(dst)
-        staging.rename(dst)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     report.seconds = time.monotonic() - started
     return report

@@ -11,14 +11,13 @@ version stays served until a new one passes.
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from orbit_runtime.atomic_dir import atomic_directory
 from orbit_runtime.rollout.client import RolloutClient, adapter_name
 
 
@@ -33,19 +32,9 @@ def adapter_dir(adapters_root: Path, version: int) -> Path:
 
 def publish_adapter(policy, adapters_root: Path, version: int) -> tuple[Path, int]:
     """Save the adapter as version VERSION atomically; returns (directory, bytes written)."""
-    adapters_root = Path(adapters_root)
-    adapters_root.mkdir(parents=True, exist_ok=True)
     final = adapter_dir(adapters_root, version)
-    staging = Path(tempfile.mkdtemp(prefix=f".v{version}.partial-", dir=adapters_root))
-    try:
+    with atomic_directory(final) as staging:
         policy.save_adapter(staging)
-        staging.chmod(0o755)
-        if final.exists():
-            shutil.rmtree(final)
-        staging.rename(final)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     size = sum(f.stat().st_size for f in final.rglob("*") if f.is_file())
     return final, size
 
