@@ -47,10 +47,12 @@ def build_models(name: str, root: Path) -> tuple[Path, Path, int]:
     dense = write_demo_model(root / f"{name}-dense", seed=0)
     shape = WORKLOADS[name]["shape"]
     if shape:
-        config = Qwen2Config.from_pretrained(dense)
-        for key, value in shape.items():
-            setattr(config, key, value)
-        config.num_attention_heads, config.num_key_value_heads = shape["hidden_size"] // 64, 4
+        demo = Qwen2Config.from_pretrained(dense)  # keep the demo tokenizer's vocabulary and special ids
+        config = Qwen2Config(
+            vocab_size=demo.vocab_size, eos_token_id=demo.eos_token_id, pad_token_id=demo.pad_token_id,
+            bos_token_id=None, tie_word_embeddings=False, max_position_embeddings=1024,
+            num_attention_heads=shape["hidden_size"] // 64, num_key_value_heads=4, **shape,
+        )  # fmt: skip
         torch.manual_seed(0)
         Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(dense)
     params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(dense).parameters())
