@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import signal
 import time
 from dataclasses import dataclass, field
@@ -275,8 +276,6 @@ class Trainer:
 
     def _prune_adapters(self, keep: int) -> None:
         """Keep the last KEEP versions on disk (the served one and its successor)."""
-        import shutil
-
         for old in range(1, self.state.adapter_version - keep + 1):
             shutil.rmtree(self.paths.adapters / f"v{old}", ignore_errors=True)
 
