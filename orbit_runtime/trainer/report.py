@@ -49,7 +49,8 @@ def render_report(name: str, steps: list[dict], evals: list[dict], summary: dict
 
     charts = [
         _chart("Training reward (mean)", {"reward": series("reward_mean", steps)}),
-        _chart("Held-out accuracy (greedy)", {"accuracy": series("accuracy", evals), "reward": series("reward_mean", evals)}),
+        _chart("Held-out accuracy (greedy)", {"accuracy": series("accuracy", evals)}),
+        _chart("Held-out reward (greedy)", {"reward": series("reward_mean", evals)}),
         _chart("Train-rollout mismatch, mean |dlogp|", {"mean |dlogp|": series("mismatch_mean_abs", steps)}),
         _chart("Adapter sync latency (s)", {"sync": series("sync_seconds", steps)}),
         _chart("Step time (s)", {"step": series("step_seconds", steps)}),
