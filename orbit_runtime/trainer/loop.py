@@ -93,6 +93,7 @@ class Trainer:
         self.rollout: RolloutService | None = None
         self.reference_server: ReferenceServer | None = None
         self.reference = None
+        self._restarts_written = 0  # rollout restarts already reflected in processes.json
 
     # ---- prompts -------------------------------------------------------------------------
     def encode_prompt(self, example: Example) -> list[int]:
@@ -139,6 +140,7 @@ class Trainer:
         self.write_processes()
 
     def write_processes(self) -> None:
+        self._restarts_written = self.rollout.restarts if self.rollout else 0
         roles = {"learner": {"pid": os.getpid()}}
         if self.rollout and self.rollout.server:
             roles["rollout"] = {"pid": self.rollout.server.pid, "url": self.rollout.server.base_url, "restarts": self.rollout.restarts}
@@ -213,12 +215,14 @@ class Trainer:
         timings["reference_s"] = time.monotonic() - t
 
         t = time.monotonic()
-        with torch.no_grad():
-            old_lp_list = [x.float() for x in self.policy.completion_logprobs(pairs)]
-        mismatch = measure_mismatch(old_lp_list, rollout_lp)
-        old_lp, rollout_padded = _pad(old_lp_list), _pad(rollout_lp)
+        rollout_padded = _pad(rollout_lp)
+        old_lp = None  # the learner's log-probs before this update: the first pass's, detached
         for _ in range(spec.algorithm.epochs_per_batch):
-            new_lp = _pad(self.policy.completion_logprobs(pairs))
+            new_lp_list = self.policy.completion_logprobs(pairs)
+            new_lp = _pad(new_lp_list)
+            if old_lp is None:
+                old_lp = new_lp.detach()
+                mismatch = measure_mismatch([x.detach().float() for x in new_lp_list], rollout_lp)
             out = grpo_loss(LossInputs(new_lp, old_lp, rollout_padded, advantages, mask, ref_lp), self.loss_config)
             self.optimizer.zero_grad(set_to_none=True)
             out.loss.backward()
@@ -270,7 +274,7 @@ class Trainer:
         }
         state.steps.append(record)
         self.record(record)
-        if self.rollout.restarts and json.loads(self.paths.processes.read_text())["rollout"]["pid"] != self.rollout.server.pid:
+        if self.rollout.restarts != self._restarts_written:
             self.write_processes()
         return record
 
