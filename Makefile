@@ -43,6 +43,8 @@ test-fast: install
 demo: install
 	$(VENV)/bin/orbit demo-model $(RUN_DIR)/base --warmup-steps 400 --overwrite
 	$(VENV)/bin/orbit quantize $(RUN_DIR)/base $(RUN_DIR)/base-int4 --overwrite
+	# a new base: checkpoints of an earlier demo run would otherwise be resumed
+	rm -rf $(RUN_DIR)/checkpoints
 	$(VENV)/bin/orbit train examples/quickstart.yaml
 
 bench: install

@@ -20,7 +20,7 @@ app = typer.Typer(
 console = Console(stderr=True)
 
 
-def _fail(exc: OrbitError) -> None:
+def _fail(exc: Exception) -> None:
     console.print(f"[bold red]error:[/] {exc}")
     raise typer.Exit(code=2)
 
@@ -80,35 +80,131 @@ def demo_model(
     typer.echo(str(path))
 
 
+def _configure_logging() -> None:
+    """Warnings and progress lines from the runtime on stderr, with credentials redacted."""
+    import logging
+
+    from rich.logging import RichHandler
+
+    from orbit_runtime.redaction import RedactingFilter
+
+    handler = RichHandler(console=console, show_path=False, rich_tracebacks=False)
+    handler.addFilter(RedactingFilter())
+    logging.basicConfig(level=logging.INFO, format="%(message)s", handlers=[handler], force=True)
+    for noisy in ("httpx", "httpcore", "botocore", "boto3", "s3transfer", "urllib3", "filelock"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
 @app.command()
 def train(
     config: Annotated[Path, typer.Argument(help="Job spec YAML (see examples/quickstart.yaml).")],
-    max_steps: Annotated[int | None, typer.Option(help="Stop after N steps (overrides schedule.steps).")] = None,
+    max_steps: Annotated[int | None, typer.Option(help="Stop after N steps (overrides schedule.steps).", min=1)] = None,
     output_dir: Annotated[Path | None, typer.Option(help="Override run.output_dir.")] = None,
+    checkpoint_uri: Annotated[
+        str | None, typer.Option(help="Override checkpoint.uri (s3://bucket/prefix or file:///path).")
+    ] = None,
+    checkpoint_every: Annotated[int | None, typer.Option(help="Override checkpoint.every_steps.", min=1)] = None,
+    resume: Annotated[
+        bool, typer.Option(help="Require resuming from the newest checkpoint (runs resume automatically when one exists).")
+    ] = False,
+    resume_from: Annotated[
+        str | None, typer.Option(help="Resume from this checkpoint (URI ending in /step-NNNNNNNN), even under a changed config.")
+    ] = None,
 ) -> None:
     """Run GRPO locally: starts vLLM (and the reference server) as child processes, trains the LoRA adapter."""
-    from orbit_runtime.config import load_job_spec
+    from orbit_runtime.config import load_job_spec, parse_job_spec
 
     try:
         spec = load_job_spec(config)
+        overrides = spec.model_dump()
+        if output_dir is not None:
+            overrides["run"]["output_dir"] = str(output_dir.resolve())
+        if checkpoint_uri is not None:
+            overrides["checkpoint"]["uri"] = checkpoint_uri
+        if checkpoint_every is not None:
+            overrides["checkpoint"]["every_steps"] = checkpoint_every
+        spec = parse_job_spec(overrides, f"{config} (with command-line overrides)")
     except OrbitError as exc:
         _fail(exc)
-    if output_dir is not None:
-        spec = spec.model_copy(update={"run": spec.run.model_copy(update={"output_dir": str(output_dir)})})
+    _configure_logging()
     from orbit_runtime.trainer.loop import Trainer
 
     try:
-        trainer = Trainer(spec, console=console)
+        trainer = Trainer(spec, console=console, resume=resume, resume_from=resume_from)
         summary = trainer.run(max_steps=max_steps)
     except OrbitError as exc:
         _fail(exc)
-    except KeyboardInterrupt:
-        raise typer.Exit(code=130) from None
-    console.print(
-        f"held-out accuracy: {summary['heldout_accuracy_before']:.1%} before -> {summary['heldout_accuracy_after']:.1%} after "
-        f"{summary['steps']} steps in {summary['wall_seconds']:.0f}s; report {trainer.paths.report}"
-    )
+    except KeyboardInterrupt as stop:
+        signum = stop.args[0] if stop.args and isinstance(stop.args[0], int) else 2
+        raise typer.Exit(code=128 + signum) from None
+    before, after = summary["heldout_accuracy_before"], summary["heldout_accuracy_after"]
+    if before is not None and after is not None:
+        console.print(
+            f"held-out accuracy: {before:.1%} before -> {after:.1%} after "
+            f"{summary['steps']} steps in {summary['wall_seconds']:.0f}s; report {trainer.paths.report}"
+        )
     typer.echo(json.dumps(summary))
+
+
+checkpoints_app = typer.Typer(help="Inspect and export checkpoints (s3://bucket/prefix or file:///path).", no_args_is_help=True)
+app.add_typer(checkpoints_app, name="checkpoints")
+
+
+def _catalog(uri: str):
+    from orbit_runtime.checkpoint.catalog import CheckpointCatalog
+    from orbit_runtime.checkpoint.storage import open_store
+
+    return CheckpointCatalog(open_store(uri))
+
+
+@checkpoints_app.command("list")
+def checkpoints_list(
+    uri: Annotated[str, typer.Argument(help="Checkpoint prefix, as in checkpoint.uri.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print a JSON list instead of a table.")] = False,
+) -> None:
+    """List the checkpoints under URI, complete or torn (a torn one has no valid manifest and is never used)."""
+    from orbit_runtime.checkpoint.storage import StorageError
+
+    try:
+        entries = _catalog(uri).entries()
+    except (OrbitError, StorageError) as exc:
+        _fail(exc)
+    if as_json:
+        typer.echo(json.dumps([e.to_json() for e in entries], indent=2))
+        return
+    from rich.table import Table
+
+    table = Table("step", "complete", "adapter", "score", "MB", "uri")
+    for e in entries:
+        row = e.to_json()
+        score = "" if row["score"] is None else f"{row['score']:.3f}"
+        table.add_row(str(e.step), "yes" if e.complete else "TORN", str(row["adapter_version"] or ""), score,
+                      f"{row['bytes'] / 1e6:.2f}", e.uri)  # fmt: skip
+    Console().print(table)
+
+
+@checkpoints_app.command("export")
+def checkpoints_export(
+    uri: Annotated[str, typer.Argument(help="Checkpoint prefix, as in checkpoint.uri.")],
+    step: Annotated[int, typer.Argument(help="Step of a complete checkpoint (see `orbit checkpoints list`).")],
+    out_dir: Annotated[Path, typer.Argument(help="Directory to write the PEFT adapter to.")],
+) -> None:
+    """Write checkpoint STEP's adapter (verified against its manifest) to OUT_DIR, ready for `vllm --lora-modules`."""
+    from orbit_runtime.atomic_dir import atomic_directory
+    from orbit_runtime.checkpoint.storage import StorageError
+    from orbit_runtime.trainer.checkpointing import ADAPTER
+
+    if out_dir.exists() and any(out_dir.iterdir()):
+        _fail(OrbitError(f"{out_dir}: exists and is not empty"))
+    try:
+        catalog = _catalog(uri)
+        entry = catalog.get(step)
+        with atomic_directory(out_dir) as staging:
+            catalog.download(entry, staging, only=ADAPTER + "/")
+    except (OrbitError, StorageError) as exc:
+        _fail(exc)
+    console.print(f"exported the adapter of {entry.uri} (adapter version {entry.manifest.get('adapter_version')})")
+    typer.echo(str(out_dir))
 
 
 @app.command()

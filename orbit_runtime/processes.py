@@ -18,6 +18,8 @@ from pathlib import Path
 
 import httpx
 
+from orbit_runtime.redaction import environment_without_secrets
+
 _PR_SET_PDEATHSIG = 1
 
 
@@ -45,7 +47,7 @@ class ManagedServer:
         self.command = command
         self.port = port
         self.host = host
-        self.env = env
+        self.env = environment_without_secrets(env)  # roles other than the learner never touch storage
         self.log_path = Path(log_path)
         self.health_path = health_path
         self._process: subprocess.Popen | None = None
@@ -78,9 +80,7 @@ class ManagedServer:
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
                 code = self._process.returncode
-                raise RuntimeError(
-                    f"{self.name} exited with code {code} while starting; log {self.log_path}:\n{self.log_tail()}"
-                )
+                raise RuntimeError(f"{self.name} exited with code {code} while starting; log {self.log_path}:\n{self.log_tail()}")
             try:
                 if httpx.get(f"{self.base_url}{self.health_path}", timeout=2.0).status_code == 200:
                     return

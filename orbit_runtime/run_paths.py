@@ -34,6 +34,10 @@ class RunPaths:
     def processes(self) -> Path:  # pids and URLs of the role servers, for operators and tests
         return self.root / "processes.json"
 
+    @property
+    def checkpoint_staging(self) -> Path:  # checkpoints are written here, then uploaded
+        return self.root / "checkpoint-staging"
+
     def start_fresh(self) -> None:
         """A new run in an existing directory: drop the previous run's outputs (not its logs)."""
         import shutil
@@ -41,6 +45,7 @@ class RunPaths:
         for path in (self.metrics, self.summary, self.report, self.processes):
             path.unlink(missing_ok=True)
         shutil.rmtree(self.adapters, ignore_errors=True)
+        shutil.rmtree(self.checkpoint_staging, ignore_errors=True)
         self.adapters.mkdir(parents=True)
 
     def create(self) -> RunPaths:

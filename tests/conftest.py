@@ -22,3 +22,25 @@ def int4_dir(demo_dir: Path) -> Path:
     dst = demo_dir.parent / "demo-int4"
     quantize_checkpoint(demo_dir, dst, W4A16Int(group_size=128))
     return dst
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """moto's S3 server on a loopback port: a real HTTP S3 endpoint (see tests/s3_endpoint.py)."""
+    from moto.server import ThreadedMotoServer
+
+    from tests.s3_endpoint import S3Endpoint
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield S3Endpoint(f"http://{host}:{port}")
+    server.stop()
+
+
+@pytest.fixture
+def s3_env(s3_endpoint, monkeypatch):
+    """This process talks to moto: endpoint and test credentials in the environment."""
+    for key, value in s3_endpoint.env().items():
+        monkeypatch.setenv(key, value)
+    return s3_endpoint

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from orbit_runtime.config.adapter import AdapterSpec
 from orbit_runtime.errors import OrbitError
@@ -48,7 +48,9 @@ class AlgorithmSpec(Section):
     mismatch_correction: Literal["none", "tis", "mis"] = Field(
         "tis", description="Correct train-rollout mismatch with truncated (tis) or masked (mis) importance sampling."
     )
-    is_cap: float = Field(2.0, gt=1, description="TIS: weights are min(ratio, cap). MIS: tokens with ratio outside [1/cap, cap] are masked.")
+    is_cap: float = Field(
+        2.0, gt=1, description="TIS: weights are min(ratio, cap). MIS: tokens with ratio outside [1/cap, cap] are masked."
+    )
     epochs_per_batch: int = Field(1, ge=1, le=8, description="Optimizer passes over each rollout batch.")
 
 
@@ -137,6 +139,45 @@ class EvalSpec(Section):
     max_tokens: int | None = Field(None, ge=1, description="Default: rollout.max_tokens.")
 
 
+class CheckpointSpec(Section):
+    """Where and when the learner checkpoints (see orbit_runtime/checkpoint). No credentials here:
+    the S3 endpoint and keys come from the environment (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID,
+    AWS_SECRET_ACCESS_KEY) or from files a mounted Secret provides (AWS_SHARED_CREDENTIALS_FILE)."""
+
+    uri: str | None = Field(
+        None, description="s3://bucket/prefix or file:///absolute/path; default: file://<output_dir>/<name>/checkpoints."
+    )
+    every_steps: int | None = Field(10, ge=1, description="Checkpoint every N steps (null: only on the minute interval).")
+    every_minutes: float | None = Field(
+        None, gt=0, description="Also checkpoint when this many minutes passed since the last one."
+    )
+    keep_last: int = Field(3, ge=1, description="Keep the newest N complete checkpoints ...")
+    keep_best: int = Field(1, ge=0, description="... plus the best N by best_metric.")
+    best_metric: Literal["reward_mean", "heldout_accuracy"] = Field(
+        "reward_mean",
+        description="reward_mean: mean training reward over the steps since the previous checkpoint; "
+        "heldout_accuracy: the latest greedy validation accuracy.",
+    )
+    retries: int = Field(4, ge=0, description="Retries per storage request (exponential backoff) before a checkpoint attempt fails; "
+                         "a failed checkpoint is retried later while training goes on.")  # fmt: skip
+    stop_timeout_s: float = Field(
+        60.0, gt=0, description="On SIGTERM/Ctrl-C and at the end, wait at most this long for the last checkpoint."
+    )
+
+    @field_validator("uri")
+    @classmethod
+    def validate_uri(cls, uri: str | None) -> str | None:
+        from orbit_runtime.checkpoint.storage import validate_storage_uri
+
+        return None if uri is None else validate_storage_uri(uri)  # ValueError -> the error names checkpoint.uri
+
+    @model_validator(mode="after")
+    def validate_interval(self) -> CheckpointSpec:
+        if self.every_steps is None and self.every_minutes is None:
+            raise ValueError("set every_steps or every_minutes (or both)")
+        return self
+
+
 class RunSpec(Section):
     name: str = Field("orbit", pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", description="Run name (DNS label).")
     output_dir: str = Field("runs", description="Runs are written to <output_dir>/<name>/.")
@@ -155,7 +196,12 @@ class JobSpec(Section):
     schedule: ScheduleSpec = Field(default_factory=ScheduleSpec)
     sync: SyncSpec = Field(default_factory=SyncSpec)
     eval: EvalSpec = Field(default_factory=EvalSpec)
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     run: RunSpec = Field(default_factory=RunSpec)
+
+    def checkpoint_uri(self) -> str:
+        """checkpoint.uri, or the run directory's checkpoints/ folder."""
+        return self.checkpoint.uri or f"file://{Path(self.run.output_dir).resolve() / self.run.name / 'checkpoints'}"
 
     def canary_tolerance(self) -> float:
         if self.sync.tolerance is not None:
@@ -167,7 +213,9 @@ def format_validation_error(error: ValidationError, source: str) -> str:
     """One line per problem, each naming the field by its dotted path."""
     lines = [f"{source}: invalid job spec"]
     for item in error.errors():
-        path = ".".join(str(p) for p in item["loc"] if not (isinstance(p, str) and p in ("synthetic_arithmetic", "jsonl", "parquet")))
+        path = ".".join(
+            str(p) for p in item["loc"] if not (isinstance(p, str) and p in ("synthetic_arithmetic", "jsonl", "parquet"))
+        )
         lines.append(f"  {path or '(top level)'}: {item['msg']}")
     return "\n".join(lines)
 

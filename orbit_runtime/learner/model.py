@@ -22,7 +22,14 @@ from orbit_runtime.int4.quantize import list_shards
 from orbit_runtime.int4.schemes import QuantizedCheckpointInfo, read_quantization_config
 from orbit_runtime.learner.int4_linear import Int4Linear
 
-DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
+DTYPES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+}
 MOE_MODEL_TYPES = {"qwen2_moe", "qwen3_moe", "mixtral"}
 
 
@@ -58,8 +65,7 @@ def load_int4_base(model_dir: Path, dtype: torch.dtype) -> tuple[nn.Module, Quan
     info = read_quantization_config(raw_config, str(config_path))
     if raw_config.get("model_type") in MOE_MODEL_TYPES:
         raise OrbitError(
-            f"{config_path}: the learner does not load MoE models yet ({raw_config['model_type']}); "
-            "`orbit quantize` and vLLM do"
+            f"{config_path}: the learner does not load MoE models yet ({raw_config['model_type']}); `orbit quantize` and vLLM do"
         )
     config = AutoConfig.from_pretrained(model_dir)
     config.quantization_config = None  # we do the INT4 part ourselves
@@ -223,6 +229,24 @@ class Policy:
         config["base_model_name_or_path"] = str(self.model_dir)
         config_path.write_text(json.dumps(config, indent=2))
         return out_dir
+
+    def load_adapter(self, adapter_dir: Path) -> None:
+        """Load adapter weights written by save_adapter (a checkpoint's PEFT adapter), every tensor exactly."""
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        path = Path(adapter_dir) / "adapter_model.safetensors"
+        weights = load_file(path)
+        expected = {n for n, p in self.model.named_parameters() if p.requires_grad}
+        try:
+            result = set_peft_model_state_dict(self.model, weights)
+        except RuntimeError as exc:  # shape mismatch: a different rank or model
+            raise ValueError(f"{path}: does not fit this adapter ({exc})") from None
+        missing = sorted(k for k in result.missing_keys if k in expected)
+        if missing or result.unexpected_keys:
+            raise ValueError(
+                f"{path}: adapter tensors do not match: missing {missing[:3]}, unexpected {result.unexpected_keys[:3]}"
+            )
 
     def init_adapter_randomly(self, std: float, seed: int) -> None:
         """Give lora_B random values (PEFT starts it at zero, making the adapter a no-op).

@@ -116,21 +116,27 @@ def test_run_survives_rollout_death_and_a_raising_reward(tmp_path, int4_dir):
         assert not _alive(roles[role]["pid"]), f"{role} server outlived the run"
 
 
-def test_ctrl_c_stops_cleanly_without_orphans(tmp_path, int4_dir):
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_stop_signal_checkpoints_and_stops_cleanly_without_orphans(tmp_path, int4_dir, stop):
     config = _job(tmp_path, int4_dir, schedule={"steps": 50, "learning_rate": 1e-3})
     run = tmp_path / "runs" / "t"
     proc = _orbit("train", str(config), cwd=tmp_path)
     try:
         _wait_for(lambda: len(_steps(run)) >= 1, 300, "the first training step")
         roles = json.loads((run / "processes.json").read_text())
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(stop)
         output, _ = proc.communicate(timeout=120)
     finally:
         proc.kill()
-    assert proc.returncode == 130, output[-2000:]
-    assert "stopped at step" in output
+    assert proc.returncode == 128 + stop, output[-2000:]
+    assert "stopped at step" in output and stop.name in output
     summary = json.loads((run / "summary.json").read_text())
     assert summary["interrupted"] is True and 1 <= summary["steps"] < 50
+    # the state after the last completed step was checkpointed before exiting (default URI: the run dir)
+    assert summary["last_checkpoint_step"] == summary["steps"], summary
+    listing = subprocess.run([sys.executable, "-m", "orbit_runtime.cli", "checkpoints", "list", summary["checkpoint_uri"], "--json"],
+                             capture_output=True, text=True, check=True)  # fmt: skip
+    assert [(c["step"], c["complete"]) for c in json.loads(listing.stdout)] == [(summary["steps"], True)]
     _wait_for(lambda: not _alive(roles["rollout"]["pid"]), 30, "the vLLM server to exit")
 
 

@@ -1,0 +1,1 @@
+"""Checkpoints on object storage: storage by URI, manifest-last catalog, background writer."""

@@ -1,0 +1,51 @@
+"""A job config's identity for resume: the settings that change what training computes.
+
+Where checkpoints go, how often they are written, how often evaluation runs and how many
+steps the run lasts do not change the computation of any step, so they are left out: a
+run can be resumed to train longer, or with checkpoints redirected. Everything else -
+model, adapter, algorithm, data, rewards, rollout sampling, schedule - is in the hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from orbit_runtime.config.spec import JobSpec
+
+EXCLUDED = ("checkpoint", "eval", "run.output_dir", "schedule.steps", "rollout.max_restarts", "rollout.kv_cache_gib")
+
+
+def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(value, dict):
+        out: dict[str, Any] = {}
+        for key, item in value.items():
+            out.update(_flatten(item, f"{prefix}.{key}" if prefix else str(key)))
+        return out
+    return {prefix: value}
+
+
+def training_fields(spec: JobSpec) -> dict[str, Any]:
+    """The config as {dotted.field: value}, without the EXCLUDED fields."""
+    flat = _flatten(spec.model_dump(mode="json"))
+    return {k: v for k, v in flat.items() if not any(k == e or k.startswith(e + ".") for e in EXCLUDED)}
+
+
+def config_hash(fields: dict[str, Any]) -> str:
+    """sha256 of the canonical JSON of FIELDS (first 16 hex digits)."""
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def describe_differences(old: dict[str, Any], new: dict[str, Any], limit: int = 10) -> list[str]:
+    """Human-readable lines `field: old -> new` for every field that differs."""
+    lines = []
+    for key in sorted(set(old) | set(new)):
+        if old.get(key, "(unset)") != new.get(key, "(unset)"):
+            lines.append(
+                f"{key}: {json.dumps(old.get(key, '(unset)'))} (checkpoint) -> {json.dumps(new.get(key, '(unset)'))} (now)"
+            )
+    if len(lines) > limit:
+        lines = lines[:limit] + [f"... and {len(lines) - limit} more"]
+    return lines
