@@ -16,7 +16,10 @@ RUN_DIR := runs/quickstart
 # sed (unlike grep) never fails, so pipefail still reports pip's own exit status
 PIP_FILTER := sed '/is ignored: it is neither a file nor a directory/d'
 
-.PHONY: help install test test-fast demo bench clean
+# root needs no sudo (CI); elsewhere apt-get runs through sudo
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: help install prometheus test test-fast demo bench clean
 
 help:
 	@echo "make test   - set up .venv and run the test suite (real vLLM CPU server included)"
@@ -34,7 +37,15 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-test: install
+# Debian's Prometheus (with promtool): the observability tests run the real thing. Not a
+# Python package, so it comes from apt, once.
+prometheus:
+	@if command -v prometheus >/dev/null && command -v promtool >/dev/null; then :; else \
+	  echo "installing Debian's prometheus for the observability tests"; \
+	  $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq --no-install-recommends prometheus; \
+	fi
+
+test: install prometheus
 	$(PY) -m pytest
 
 test-fast: install

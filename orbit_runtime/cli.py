@@ -104,6 +104,9 @@ def train(
         str | None, typer.Option(help="Override checkpoint.uri (s3://bucket/prefix or file:///path).")
     ] = None,
     checkpoint_every: Annotated[int | None, typer.Option(help="Override checkpoint.every_steps.", min=1)] = None,
+    metrics_port: Annotated[
+        int | None, typer.Option(help="Serve Prometheus /metrics and /healthz on this port (0: any free port).", min=0)
+    ] = None,
     resume: Annotated[
         bool, typer.Option(help="Require resuming from the newest checkpoint (runs resume automatically when one exists).")
     ] = False,
@@ -123,6 +126,8 @@ def train(
             overrides["checkpoint"]["uri"] = checkpoint_uri
         if checkpoint_every is not None:
             overrides["checkpoint"]["every_steps"] = checkpoint_every
+        if metrics_port is not None:
+            overrides["metrics"]["port"] = metrics_port
         spec = parse_job_spec(overrides, f"{config} (with command-line overrides)")
     except OrbitError as exc:
         _fail(exc)

@@ -1,7 +1,7 @@
 """A job config's identity for resume: the settings that change what training computes.
 
-Where checkpoints go, how often they are written, how often evaluation runs and how many
-steps the run lasts do not change the computation of any step, so they are left out: a
+Where checkpoints go, how often they are written, how often evaluation runs, where metrics
+are served and how many steps the run lasts do not change the computation of any step, so they are left out: a
 run can be resumed to train longer, or with checkpoints redirected. Everything else -
 model, adapter, algorithm, data, rewards, rollout sampling, schedule - is in the hash.
 """
@@ -14,7 +14,7 @@ from typing import Any
 
 from orbit_runtime.config.spec import JobSpec
 
-EXCLUDED = ("checkpoint", "eval", "run.output_dir", "schedule.steps", "rollout.max_restarts", "rollout.kv_cache_gib")
+EXCLUDED = ("checkpoint", "eval", "metrics", "run.output_dir", "schedule.steps", "rollout.max_restarts", "rollout.kv_cache_gib")
 
 
 def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:

@@ -178,6 +178,13 @@ class CheckpointSpec(Section):
         return self
 
 
+class MetricsSpec(Section):
+    """The learner's Prometheus endpoint (/metrics and /healthz)."""
+
+    port: int | None = Field(None, ge=0, le=65535, description="Serve metrics on this port (0: any free port; null: off).")
+    host: str = Field("127.0.0.1", description="Address to bind; 0.0.0.0 in a pod so Prometheus can scrape it.")
+
+
 class RunSpec(Section):
     name: str = Field("orbit", pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", description="Run name (DNS label).")
     output_dir: str = Field("runs", description="Runs are written to <output_dir>/<name>/.")
@@ -197,6 +204,7 @@ class JobSpec(Section):
     sync: SyncSpec = Field(default_factory=SyncSpec)
     eval: EvalSpec = Field(default_factory=EvalSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    metrics: MetricsSpec = Field(default_factory=MetricsSpec)
     run: RunSpec = Field(default_factory=RunSpec)
 
     def checkpoint_uri(self) -> str:

@@ -29,9 +29,11 @@ class LogprobsRequest(BaseModel):
 def create_app(model_dir: Path, dtype: str):
     """FastAPI app serving the base model's completion log-probs (one request at a time)."""
     import torch
-    from fastapi import FastAPI, HTTPException
+    from fastapi import FastAPI, HTTPException, Response
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
     from orbit_runtime.learner.model import Policy, load_int4_base, parse_dtype
+    from orbit_runtime.observability import metrics
 
     torch_dtype = parse_dtype(dtype)
     base, _ = load_int4_base(model_dir, torch_dtype)
@@ -40,10 +42,16 @@ def create_app(model_dir: Path, dtype: str):
     lock = threading.Lock()  # one forward at a time; requests queue
     stats = {"requests": 0, "sequences": 0, "seconds": 0.0}
     app = FastAPI(title="orbit reference")
+    metrics.register_resources("reference")
 
     @app.get("/health")
+    @app.get("/healthz")
     def health() -> dict:
         return {"status": "ok"}
+
+    @app.get("/metrics")
+    def prometheus_metrics() -> Response:
+        return Response(generate_latest(metrics.REFERENCE_REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/stats")
     def get_stats() -> dict:
@@ -55,10 +63,13 @@ def create_app(model_dir: Path, dtype: str):
         for i, (prompt, completion) in enumerate(pairs):
             bad = [t for t in prompt + completion if not 0 <= t < vocab]
             if bad:
+                metrics.REFERENCE_REQUESTS.labels("invalid").inc()
                 raise HTTPException(422, f"sequences[{i}]: token ids {bad[:3]} outside the vocabulary [0, {vocab})")
         started = time.monotonic()
-        with lock, torch.no_grad():
+        with metrics.REFERENCE_DURATION.time(), lock, torch.no_grad():
             out = policy.completion_logprobs(pairs)
+        metrics.REFERENCE_REQUESTS.labels("ok").inc()
+        metrics.REFERENCE_SEQUENCES.inc(len(pairs))
         stats["requests"] += 1
         stats["sequences"] += len(pairs)
         stats["seconds"] += time.monotonic() - started

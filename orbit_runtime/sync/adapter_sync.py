@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from orbit_runtime.atomic_dir import atomic_directory
+from orbit_runtime.observability import metrics
 from orbit_runtime.rollout.client import RolloutClient, adapter_name
 
 
@@ -79,6 +80,7 @@ class AdapterSync:
                     self.client.unload_adapter(previous)
                 return SyncResult(version, name, time.monotonic() - started, last_delta, attempt + 1)
             self.failures += 1
+            metrics.SYNC_CANARY_FAILURES.inc()
             self.client.unload_adapter(name)  # never leave an unverified adapter loaded
         raise SyncError(
             f"adapter v{version} from {path}: rollout canary log-probs differ from the learner's by "

@@ -15,6 +15,7 @@ import math
 import os
 import shutil
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,8 @@ from orbit_runtime.data.sampler import PromptSampler
 from orbit_runtime.errors import OrbitError
 from orbit_runtime.learner.mismatch import measure_mismatch
 from orbit_runtime.learner.model import load_policy
+from orbit_runtime.observability import metrics
+from orbit_runtime.observability.server import MetricsServer
 from orbit_runtime.reference.client import ReferenceClient, ReferenceServer, SharedReference
 from orbit_runtime.rewards.builtin import exact_match
 from orbit_runtime.rewards.scoring import RewardScorer
@@ -88,6 +91,8 @@ def _pad(rows: list[torch.Tensor]) -> torch.Tensor:
 class Trainer:
     """One run of the RL loop. RESUME/RESUME_FROM: see checkpointing.plan_resume."""
 
+    ROLLOUT_PROBE_INTERVAL_S = 5.0
+
     def __init__(self, spec: JobSpec, console=None, *, resume: bool = False, resume_from: str | None = None) -> None:
         from transformers import AutoTokenizer
 
@@ -133,6 +138,8 @@ class Trainer:
         self._stop_signal: int | None = None
         self._interruptible = False  # may a stop signal abort the current work right away?
         self._first_step_report: dict | None = None
+        self.metrics_server: MetricsServer | None = None
+        self._probe_stop = threading.Event()
         if self.resume_plan.entry is not None:
             self._restore()
         else:
@@ -219,7 +226,7 @@ class Trainer:
 
     def _record_checkpoint_events(self) -> None:
         for event in self.writer.events():
-            self.record(event)
+            metrics.observe_checkpoint(self.record(event))
 
     def _finish_checkpoints(self, reason: str) -> None:
         """Checkpoint the last completed step (if not yet) and wait a bounded time for it to land."""
@@ -281,11 +288,13 @@ class Trainer:
             self.reference = ReferenceClient(self.reference_server.base_url)
         else:
             self.reference = SharedReference(self.policy)
+        metrics.ROLLOUT_UP.set(1)
+        threading.Thread(target=self._probe_rollout, name="rollout-probe", daemon=True).start()
         self.write_processes()
 
     def write_processes(self) -> None:
         self._restarts_written = self.rollout.restarts if self.rollout else 0
-        roles = {"learner": {"pid": os.getpid()}}
+        roles = {"learner": {"pid": os.getpid(), **({"metrics_url": self.metrics_server.url} if self.metrics_server else {})}}
         if self.rollout and self.rollout.server:
             roles["rollout"] = {
                 "pid": self.rollout.server.pid,
@@ -297,6 +306,7 @@ class Trainer:
         self.paths.processes.write_text(json.dumps(roles, indent=2))
 
     def stop_roles(self) -> None:
+        self._probe_stop.set()
         if self.rollout:
             self.rollout.stop()
         if isinstance(self.reference, ReferenceClient):
@@ -311,7 +321,9 @@ class Trainer:
         prompts = [self.encode_prompt(e) for e in examples]
         max_tokens = self.spec.eval.max_tokens or self.spec.rollout.max_tokens
         model = self.rollout.served_name
-        groups = self.rollout.call(lambda c: c.generate(prompts, model=model, n=1, max_tokens=max_tokens, temperature=0.0))
+        groups = self.rollout.call(
+            lambda c: c.generate(prompts, model=model, n=1, max_tokens=max_tokens, temperature=0.0), kind="eval"
+        )
         texts = [self.tokenizer.decode(g[0].token_ids, skip_special_tokens=True) for g in groups]
         rewards = self.scorer.score(texts, [e.prompt for e in examples], [e.answer for e in examples])
         match_kwargs = next((r.kwargs for r in self.spec.rewards if r.function == "exact_match"), {})
@@ -326,6 +338,7 @@ class Trainer:
         }
         self.state.evals.append(result)
         self.record(result)
+        metrics.observe_eval(result)
         return result
 
     # ---- one RL step ---------------------------------------------------------------------
@@ -365,7 +378,8 @@ class Trainer:
                 temperature=spec.rollout.temperature,
                 top_p=spec.rollout.top_p,
                 seed=seed,
-            )  # fmt: skip
+            ),  # fmt: skip
+            kind="generate",
         )
         completions: list[Completion] = [c for g in groups for c in g]
         timings["generate_s"] = time.monotonic() - t
@@ -415,7 +429,9 @@ class Trainer:
         t = time.monotonic()
         state.adapter_version += 1
         path, size = publish_adapter(self.policy, self.paths.adapters, state.adapter_version)
+        metrics.LEARNER_ADAPTER_VERSION.set(state.adapter_version)
         sync = self.rollout.publish(self.policy, state.adapter_version, path)
+        metrics.SYNC_ROLLOUT_VERSION.set(state.adapter_version)
         timings["sync_s"] = time.monotonic() - t
         self._prune_adapters(keep=2)
         state.step += 1
@@ -454,7 +470,7 @@ class Trainer:
             **{k: round(v, 4) for k, v in timings.items()},
         }
         state.steps.append(record)
-        self.record(record)
+        metrics.observe_step(self.record(record), rewards.total)
         if self.rollout.restarts != self._restarts_written:
             self.write_processes()
         return record
@@ -464,11 +480,13 @@ class Trainer:
         for old in range(1, self.state.adapter_version - keep + 1):
             shutil.rmtree(self.paths.adapters / f"v{old}", ignore_errors=True)
 
-    def record(self, row: dict) -> None:
+    def record(self, row: dict) -> dict:
+        """Append ROW (time-stamped) to metrics.jsonl and to the rows a checkpoint carries; returns it."""
         row = {"time": time.time(), **row}
         self.state.rows.append(row)
         with open(self.paths.metrics, "a") as f:
             f.write(json.dumps(row) + "\n")
+        return row
 
     # ---- the run -------------------------------------------------------------------------
     def run(self, max_steps: int | None = None) -> dict:
@@ -484,6 +502,7 @@ class Trainer:
         total = max_steps or self.spec.schedule.steps
         previous = {sig: signal.signal(sig, self._on_stop_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
         interrupted = False
+        self._start_metrics()
         try:
             if self.state.step >= total:
                 self._say(f"the checkpoint is at step {self.state.step}, max steps is {total}: nothing to train")
@@ -516,9 +535,27 @@ class Trainer:
             self.stop_roles()
             self._finish_checkpoints("stopping" if interrupted else "end of run")
         summary = self.write_summary(interrupted)
+        metrics.LEARNER_UP.set(0)
+        if self.metrics_server:
+            self.metrics_server.stop()
         if interrupted:
             raise KeyboardInterrupt(self._stop_signal)
         return summary
+
+    # ---- metrics -------------------------------------------------------------------------
+    def _start_metrics(self) -> None:
+        """Serve /metrics and /healthz (if metrics.port is set) and start the progress clocks."""
+        metrics.register_resources("learner")
+        metrics.observe_start(time.time(), self.state.adapter_version)
+        if self.spec.metrics.port is None:
+            return
+        self.metrics_server = MetricsServer(metrics.LEARNER_REGISTRY, self.spec.metrics.host, self.spec.metrics.port).start()
+        self._say(f"metrics: {self.metrics_server.url}/metrics (health: /healthz)")
+
+    def _probe_rollout(self) -> None:
+        """Background: keep orbit_rollout_up current between steps (a step may take minutes)."""
+        while not self._probe_stop.wait(self.ROLLOUT_PROBE_INTERVAL_S):
+            metrics.ROLLOUT_UP.set(1 if self.rollout.healthy() else 0)
 
     def _after_step(self, total: int) -> None:
         """Between two steps: resume report, checkpoint, evaluation; then honour a pending stop."""

@@ -15,6 +15,7 @@ from typing import TypeVar
 
 import httpx
 
+from orbit_runtime.observability import metrics
 from orbit_runtime.rollout.client import RolloutClient
 from orbit_runtime.rollout.server import VLLMServer, VLLMServerConfig
 from orbit_runtime.sync.adapter_sync import AdapterSync
@@ -65,6 +66,7 @@ class RolloutService:
                 f"{self.restarts} time(s) (rollout.max_restarts); log {self.server.log_path}:\n{self.server.log_tail(20)}"
             ) from reason
         self.restarts += 1
+        metrics.ROLLOUT_RESTARTS.inc()
         log.warning("rollout server is gone (%s); restarting (%d/%d)", reason, self.restarts, self.max_restarts)
         self.sync_failures_before += self.sync.failures
         self.stop()
@@ -74,18 +76,24 @@ class RolloutService:
             policy, version, path = self.current
             self.sync.sync(policy, version, path)
 
-    def call(self, fn: Callable[[RolloutClient], T]) -> T:
-        """Run FN against the engine, restarting a dead server and retrying."""
+    def call(self, fn: Callable[[RolloutClient], T], kind: str = "request") -> T:
+        """Run FN against the engine, restarting a dead server and retrying. KIND labels its latency metric."""
         while True:
             try:
-                return fn(self.client)
+                with metrics.ROLLOUT_IN_FLIGHT.track_inprogress(), metrics.ROLLOUT_REQUEST_DURATION.labels(kind).time():
+                    return fn(self.client)
             except (httpx.HTTPError, RuntimeError) as exc:
                 if self.server.alive_after(grace_s=5.0):
                     raise
                 self._restart(exc)
 
+    def healthy(self) -> bool:
+        """Does the engine answer its health check right now?"""
+        client = self.client
+        return client is not None and client.healthy()
+
     def publish(self, policy, version: int, path: Path):
         """Load and verify adapter VERSION (restarting a dead server on the way)."""
-        result = self.call(lambda _client: self.sync.sync(policy, version, path))
+        result = self.call(lambda _client: self.sync.sync(policy, version, path), kind="sync")
         self.current = (policy, version, path)
         return result

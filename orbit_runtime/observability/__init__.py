@@ -1,0 +1,1 @@
+"""Prometheus metrics of every role, and the HTTP endpoint that serves them."""

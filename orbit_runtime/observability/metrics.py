@@ -1,0 +1,229 @@
+"""Every Prometheus metric Orbit exports, defined in one place.
+
+Names follow Prometheus conventions: prefix `orbit_`, then the role (`learner`, `sync`,
+`rollout`, `reference`, `checkpoint`, `process`, `gpu`), base units and the `_total`,
+`_seconds` and `_bytes` suffixes. No metric uses a `job` label (Prometheus reserves it for
+the scrape job). Each role has its own registry, so a process exports only its own series
+(the reference server never shows a learner step of 0): `LEARNER_REGISTRY` (learner, sync,
+rollout as the learner sees it, checkpoints) and `REFERENCE_REGISTRY`. The `observe_*`
+functions translate the learner's step/eval/checkpoint records into metrics, so the loop
+itself makes few metric calls.
+
+The rollout role is vLLM itself: its own `/metrics` (`vllm:*` series) is scraped as is.
+What the learner sees of the rollout (request latency, tokens, restarts, health) is
+exported by the learner under `orbit_rollout_*`.
+"""
+
+from __future__ import annotations
+
+import os
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client.core import GaugeMetricFamily
+
+disable_created_metrics()  # no `*_created` series: they double the series count and no panel uses them
+LEARNER_REGISTRY = CollectorRegistry(auto_describe=True)
+REFERENCE_REGISTRY = CollectorRegistry(auto_describe=True)
+REGISTRIES = {"learner": LEARNER_REGISTRY, "reference": REFERENCE_REGISTRY}
+
+STEP_BUCKETS = (0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1200, 3600)
+FAST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+REWARD_BUCKETS = (-1, -0.5, 0, 0.1, 0.25, 0.5, 0.75, 0.9, 1, 2, 5)
+
+# ---- learner ---------------------------------------------------------------------------
+LEARNER_STEP = Gauge("orbit_learner_step", "Last completed RL step.", registry=LEARNER_REGISTRY)
+LEARNER_LAST_STEP_TIME = Gauge(
+    "orbit_learner_last_step_timestamp_seconds",
+    "Unix time the last step completed (the learner's start time before its first step).",
+    registry=LEARNER_REGISTRY,
+)
+LEARNER_STEP_DURATION = Histogram(
+    "orbit_learner_step_duration_seconds", "Wall time of one RL step.", buckets=STEP_BUCKETS, registry=LEARNER_REGISTRY
+)
+LEARNER_PHASE_SECONDS = Gauge(
+    "orbit_learner_phase_seconds", "Time the last step spent per phase.", ["phase"], registry=LEARNER_REGISTRY
+)
+LEARNER_SAMPLES = Counter("orbit_learner_samples_total", "Completions trained on.", registry=LEARNER_REGISTRY)
+LEARNER_TOKENS = Counter("orbit_learner_tokens_total", "Completion tokens trained on.", registry=LEARNER_REGISTRY)
+LEARNER_REWARD_MEAN = Gauge("orbit_learner_reward_mean", "Mean reward of the last step's samples.", registry=LEARNER_REGISTRY)
+LEARNER_REWARD_STD = Gauge("orbit_learner_reward_std", "Std of the last step's rewards.", registry=LEARNER_REGISTRY)
+LEARNER_REWARD = Histogram("orbit_learner_reward", "Reward per sample.", buckets=REWARD_BUCKETS, registry=LEARNER_REGISTRY)
+LEARNER_REWARD_ERRORS = Counter(
+    "orbit_learner_reward_errors_total", "Reward function calls that raised (the sample got 0).", registry=LEARNER_REGISTRY
+)
+LEARNER_KL = Gauge("orbit_learner_kl_to_reference", "k3 KL of the policy to the reference, last step.", registry=LEARNER_REGISTRY)
+LEARNER_MISMATCH_MEAN = Gauge(
+    "orbit_learner_mismatch_mean_abs_logprob", "Mean |learner - rollout| token log-prob, last step.", registry=LEARNER_REGISTRY
+)
+LEARNER_MISMATCH_MAX = Gauge(
+    "orbit_learner_mismatch_max_abs_logprob", "Max |learner - rollout| token log-prob, last step.", registry=LEARNER_REGISTRY
+)
+LEARNER_MISMATCH_KL = Gauge("orbit_learner_mismatch_k3_kl", "k3 KL of rollout to learner, last step.", registry=LEARNER_REGISTRY)
+LEARNER_CLIP_FRACTION = Gauge(
+    "orbit_learner_importance_ratio_clip_fraction", "Share of tokens whose PPO ratio was clipped.", registry=LEARNER_REGISTRY
+)
+LEARNER_IS_WEIGHT = Gauge(
+    "orbit_learner_mismatch_is_weight_mean", "Mean TIS/MIS weight (1 = no correction), last step.", registry=LEARNER_REGISTRY
+)
+LEARNER_LOSS = Gauge("orbit_learner_loss", "GRPO loss of the last step.", registry=LEARNER_REGISTRY)
+LEARNER_GRAD_NORM = Gauge("orbit_learner_grad_norm", "Adapter gradient norm before clipping.", registry=LEARNER_REGISTRY)
+LEARNER_LR = Gauge("orbit_learner_learning_rate", "Learning rate used by the last step.", registry=LEARNER_REGISTRY)
+LEARNER_ADAPTER_VERSION = Gauge(
+    "orbit_learner_adapter_version", "Adapter version the learner published last.", registry=LEARNER_REGISTRY
+)
+LEARNER_HELDOUT_ACCURACY = Gauge(
+    "orbit_learner_heldout_accuracy", "Greedy accuracy on the held-out prompts, last evaluation.", registry=LEARNER_REGISTRY
+)
+LEARNER_UP = Gauge("orbit_learner_up", "1 while the learner runs its loop.", registry=LEARNER_REGISTRY)
+
+# ---- adapter sync ----------------------------------------------------------------------
+SYNC_ROLLOUT_VERSION = Gauge(
+    "orbit_sync_rollout_adapter_version", "Adapter version the rollout serves (verified).", registry=LEARNER_REGISTRY
+)
+SYNC_DURATION = Histogram(
+    "orbit_sync_duration_seconds", "Publish + load + canary verification of one adapter version.",
+    buckets=FAST_BUCKETS, registry=LEARNER_REGISTRY,
+)  # fmt: skip
+SYNC_BYTES = Counter("orbit_sync_bytes_total", "Adapter bytes published to the rollout.", registry=LEARNER_REGISTRY)
+SYNC_CANARY_FAILURES = Counter(
+    "orbit_sync_canary_failures_total", "Adapter loads rejected by canary verification.", registry=LEARNER_REGISTRY
+)
+SYNC_CANARY_DELTA = Gauge(
+    "orbit_sync_canary_mean_abs_logprob", "Canary mean |learner - rollout| log-prob of the served adapter.", registry=LEARNER_REGISTRY
+)
+
+# ---- rollout (as the learner sees it) --------------------------------------------------
+ROLLOUT_REQUEST_DURATION = Histogram(
+    "orbit_rollout_request_duration_seconds", "Latency of requests to the rollout engine.", ["kind"],
+    buckets=FAST_BUCKETS, registry=LEARNER_REGISTRY,
+)  # fmt: skip
+ROLLOUT_IN_FLIGHT = Gauge("orbit_rollout_requests_in_flight", "Requests waiting on the rollout engine.", registry=LEARNER_REGISTRY)
+ROLLOUT_TOKENS = Counter("orbit_rollout_generated_tokens_total", "Tokens generated by the rollout engine.", registry=LEARNER_REGISTRY)
+ROLLOUT_RESTARTS = Counter("orbit_rollout_restarts_total", "Times the rollout server was restarted.", registry=LEARNER_REGISTRY)
+ROLLOUT_UP = Gauge("orbit_rollout_up", "1 if the rollout engine answered its last health check.", registry=LEARNER_REGISTRY)
+
+# ---- checkpoints -----------------------------------------------------------------------
+CHECKPOINT_DURATION = Histogram(
+    "orbit_checkpoint_duration_seconds", "Upload time of one checkpoint attempt.", buckets=FAST_BUCKETS, registry=LEARNER_REGISTRY
+)
+CHECKPOINT_BYTES = Gauge("orbit_checkpoint_size_bytes", "Size of the last checkpoint that landed.", registry=LEARNER_REGISTRY)
+CHECKPOINT_FAILURES = Counter(
+    "orbit_checkpoint_failures_total", "Checkpoint attempts that failed (storage errors after retries).", registry=LEARNER_REGISTRY
+)
+CHECKPOINT_LAST_SUCCESS = Gauge(
+    "orbit_checkpoint_last_success_timestamp_seconds",
+    "Unix time the last checkpoint landed (the learner's start time before its first one).",
+    registry=LEARNER_REGISTRY,
+)
+CHECKPOINT_LAST_STEP = Gauge("orbit_checkpoint_last_step", "Step of the last checkpoint that landed.", registry=LEARNER_REGISTRY)
+
+# ---- reference server (its own process and registry entries) ---------------------------
+REFERENCE_REQUESTS = Counter("orbit_reference_requests_total", "Log-prob requests served.", ["outcome"], registry=REFERENCE_REGISTRY)
+REFERENCE_SEQUENCES = Counter("orbit_reference_sequences_total", "Sequences scored.", registry=REFERENCE_REGISTRY)
+REFERENCE_DURATION = Histogram(
+    "orbit_reference_request_duration_seconds", "Latency of one log-prob request (queueing included).",
+    buckets=FAST_BUCKETS, registry=REFERENCE_REGISTRY,
+)  # fmt: skip
+
+
+# Labelled series exist from the start (at 0), so panels and rules never see "no data" for them.
+for _phase in ("generate", "reward", "reference", "train", "sync"):
+    LEARNER_PHASE_SECONDS.labels(_phase)
+for _kind in ("generate", "eval", "sync"):
+    ROLLOUT_REQUEST_DURATION.labels(_kind)
+for _outcome in ("ok", "invalid"):
+    REFERENCE_REQUESTS.labels(_outcome)
+
+
+class ResourceCollector:
+    """Process memory (RSS) of this role and, when CUDA is present, GPU memory per device."""
+
+    def __init__(self, role: str) -> None:
+        self.role = role
+
+    def collect(self):
+        import psutil
+
+        rss = GaugeMetricFamily("orbit_process_resident_memory_bytes", "Resident memory of the role's process.", labels=["role"])
+        rss.add_metric([self.role], psutil.Process(os.getpid()).memory_info().rss)
+        yield rss
+        try:
+            import torch
+        except ImportError:
+            return
+        if torch.cuda.is_available():
+            used = GaugeMetricFamily("orbit_gpu_memory_allocated_bytes", "GPU memory held by tensors.", labels=["role", "device"])
+            peak = GaugeMetricFamily("orbit_gpu_memory_peak_bytes", "Peak GPU memory held by tensors.", labels=["role", "device"])
+            for i in range(torch.cuda.device_count()):
+                used.add_metric([self.role, str(i)], torch.cuda.memory_allocated(i))
+                peak.add_metric([self.role, str(i)], torch.cuda.max_memory_allocated(i))
+            yield used
+            yield peak
+
+    def describe(self):
+        return []
+
+
+_resources_registered: set[str] = set()
+
+
+def register_resources(role: str) -> None:
+    """Export this process's memory (and GPU memory) in ROLE's registry, once per process."""
+    if role not in _resources_registered:
+        REGISTRIES[role].register(ResourceCollector(role))
+        _resources_registered.add(role)
+
+
+# ---- translating records into metrics --------------------------------------------------
+def observe_step(record: dict, per_sample_rewards: list[float]) -> None:
+    """Update the learner/sync/rollout metrics from one step's metrics row."""
+    LEARNER_STEP.set(record["step"])
+    LEARNER_LAST_STEP_TIME.set(record["time"])
+    LEARNER_STEP_DURATION.observe(record["step_seconds"])
+    for phase in ("generate_s", "reward_s", "reference_s", "train_s", "sync_s"):
+        if phase in record:
+            LEARNER_PHASE_SECONDS.labels(phase.removesuffix("_s")).set(record[phase])
+    LEARNER_SAMPLES.inc(record["samples"])
+    LEARNER_TOKENS.inc(record["tokens"])
+    ROLLOUT_TOKENS.inc(record["tokens"])
+    LEARNER_REWARD_MEAN.set(record["reward_mean"])
+    LEARNER_REWARD_STD.set(record["reward_std"])
+    for reward in per_sample_rewards:
+        LEARNER_REWARD.observe(reward)
+    LEARNER_REWARD_ERRORS.inc(record["reward_errors"])
+    LEARNER_KL.set(record["kl"])
+    LEARNER_MISMATCH_MEAN.set(record["mismatch_mean_abs"])
+    LEARNER_MISMATCH_MAX.set(record["mismatch_max_abs"])
+    LEARNER_MISMATCH_KL.set(record["mismatch_k3_kl"])
+    LEARNER_CLIP_FRACTION.set(record["clip_fraction"])
+    LEARNER_IS_WEIGHT.set(record["is_weight_mean"])
+    LEARNER_LOSS.set(record["loss"])
+    LEARNER_GRAD_NORM.set(record["grad_norm"])
+    LEARNER_LR.set(record["learning_rate"])
+    SYNC_DURATION.observe(record["sync_seconds"])
+    SYNC_BYTES.inc(record["adapter_bytes"])
+    SYNC_CANARY_DELTA.set(record["canary_mean_abs_dlogp"])
+
+
+def observe_start(now: float, adapter_version: int) -> None:
+    """A learner (re)starts: progress and checkpoint clocks start now, versions as restored."""
+    LEARNER_UP.set(1)
+    LEARNER_LAST_STEP_TIME.set(now)
+    CHECKPOINT_LAST_SUCCESS.set(now)
+    LEARNER_ADAPTER_VERSION.set(adapter_version)
+    SYNC_ROLLOUT_VERSION.set(adapter_version)
+
+
+def observe_eval(record: dict) -> None:
+    LEARNER_HELDOUT_ACCURACY.set(record["accuracy"])
+
+
+def observe_checkpoint(event: dict) -> None:
+    """Update the checkpoint metrics from one writer event (see checkpoint.writer)."""
+    CHECKPOINT_DURATION.observe(event["seconds"])
+    if event["ok"]:
+        CHECKPOINT_BYTES.set(event["bytes"])
+        CHECKPOINT_LAST_SUCCESS.set(event["time"])
+        CHECKPOINT_LAST_STEP.set(event["step"])
+    else:
+        CHECKPOINT_FAILURES.inc()
