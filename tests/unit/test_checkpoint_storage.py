@@ -155,3 +155,23 @@ def test_writer_applies_retention_and_removes_torn(tmp_path):
     finally:
         writer.close()
     assert [(e.step, e.complete) for e in catalog.entries()] == [(2, True), (4, True), (5, True)]
+
+
+def test_credentials_from_a_mounted_secret_file(s3_env, monkeypatch, tmp_path):
+    # In a pod the Secret is mounted as a file and AWS_SHARED_CREDENTIALS_FILE points at it.
+    bucket = s3_env.new_bucket()
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "missing"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "missing-config"))
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.aws of the machine running the tests
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # nor a cloud instance's role
+    with pytest.raises(StorageError, match="credentials"):
+        open_store(f"s3://{bucket}/p", retries=0).put_bytes("k", b"v")
+    secret = tmp_path / "secret" / "credentials"
+    secret.parent.mkdir()
+    secret.write_text(f"[default]\naws_access_key_id = {ACCESS_KEY}\naws_secret_access_key = {SECRET_KEY}\n")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(secret))
+    store = open_store(f"s3://{bucket}/p", retries=0)
+    store.put_bytes("k", b"v")
+    assert store.get_bytes("k") == b"v"
