@@ -27,9 +27,13 @@ def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def training_fields(spec: JobSpec) -> dict[str, Any]:
-    """The config as {dotted.field: value}, without the EXCLUDED fields."""
+    """The config as {dotted.field: value}, without the EXCLUDED fields.
+
+    schedule.steps stays in when the LR decays: it sets the decay horizon.
+    """
+    excluded = EXCLUDED if spec.schedule.lr_schedule == "constant" else tuple(e for e in EXCLUDED if e != "schedule.steps")
     flat = _flatten(spec.model_dump(mode="json"))
-    return {k: v for k, v in flat.items() if not any(k == e or k.startswith(e + ".") for e in EXCLUDED)}
+    return {k: v for k, v in flat.items() if not any(k == e or k.startswith(e + ".") for e in excluded)}
 
 
 def config_hash(fields: dict[str, Any]) -> str:

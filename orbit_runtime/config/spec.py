@@ -121,6 +121,10 @@ class ScheduleSpec(Section):
     steps: int = Field(100, ge=1)
     learning_rate: float = Field(1e-4, gt=0)
     warmup_steps: int = Field(0, ge=0)
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="After warm-up: constant, or linear/cosine decay to min_lr_ratio at schedule.steps."
+    )
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final LR as a fraction of learning_rate (linear/cosine).")
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)
     seed: int = 0

@@ -9,6 +9,7 @@ scored greedily at the start, every `eval.every_steps` and at the end.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -24,6 +25,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from orbit_runtime.algorithms.grpo import LossConfig, LossInputs, group_advantages, grpo_loss
+from orbit_runtime.algorithms.lr_schedule import lr_multiplier
 from orbit_runtime.checkpoint.catalog import CheckpointCatalog
 from orbit_runtime.checkpoint.storage import StorageError, open_store
 from orbit_runtime.checkpoint.writer import CheckpointWriter, StagedCheckpoint
@@ -119,8 +121,12 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(
             self.policy.trainable_parameters(), lr=spec.schedule.learning_rate, weight_decay=spec.schedule.weight_decay
         )
-        warmup = spec.schedule.warmup_steps
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)))
+        sched = spec.schedule
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            functools.partial(lr_multiplier, warmup=sched.warmup_steps, total=sched.steps, kind=sched.lr_schedule,
+                              min_ratio=sched.min_lr_ratio),
+        )  # fmt: skip
         self.loss_config = LossConfig(
             clip_low=spec.algorithm.clip_low,
             clip_high=spec.algorithm.clip_high,

@@ -91,3 +91,25 @@ def test_kl_penalty_adds_beta_times_k3():
     assert out.loss.item() == pytest.approx(0.1 * k3)
     with pytest.raises(ValueError, match="reference"):
         grpo_loss(LossInputs(logp, logp.detach(), logp.detach(), torch.tensor([0.0]), torch.ones(1, 2)), LossConfig(kl_beta=0.1))
+
+
+def test_lr_schedules_warm_up_then_decay_to_the_floor():
+    from orbit_runtime.algorithms.lr_schedule import lr_multiplier
+
+    warm = [lr_multiplier(s, warmup=3, total=13) for s in range(5)]
+    assert warm == [0.25, 0.5, 0.75, 1.0, 1.0]
+    cosine = [lr_multiplier(s, warmup=3, total=13, kind="cosine", min_ratio=0.1) for s in (3, 8, 13, 20)]
+    assert cosine == pytest.approx([1.0, 0.55, 0.1, 0.1])  # halfway: 0.1 + 0.9 * 0.5
+    linear = [lr_multiplier(s, warmup=0, total=10, kind="linear") for s in (0, 5, 10)]
+    assert linear == pytest.approx([1.0, 0.5, 0.0])
+
+
+def test_decay_horizon_is_part_of_the_config_hash():
+    from orbit_runtime.config import parse_job_spec
+    from orbit_runtime.config.fingerprint import config_hash, training_fields
+
+    def hash_of(**schedule):
+        return config_hash(training_fields(parse_job_spec({"model": {"path": "/m"}, "schedule": schedule})))
+
+    assert hash_of(steps=10) == hash_of(steps=20)  # constant LR: a run may be extended
+    assert hash_of(steps=10, lr_schedule="cosine") != hash_of(steps=20, lr_schedule="cosine")
