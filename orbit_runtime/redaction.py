@@ -26,7 +26,7 @@ MASK = "***"
 def secret_values() -> list[str]:
     """The secret values currently in the environment (longest first, so overlaps mask fully)."""
     values = {os.environ.get(name, "") for name in SECRET_ENV_VARS}
-    return sorted((v for v in values if len(v) >= 4), key=len, reverse=True)
+    return sorted((v for v in values if len(v) >= 8), key=len, reverse=True)  # short values: not real keys, would mask words
 
 
 def redact(text: str) -> str:
