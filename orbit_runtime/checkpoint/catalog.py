@@ -170,15 +170,17 @@ class CheckpointCatalog:
         return self.download(entry, Path(tempfile.mkdtemp(prefix=f"orbit-{step_dir(entry.step)}-")))
 
     # ---- housekeeping ----------------------------------------------------------------------
-    def remove_torn(self, keep_steps: set[int] = frozenset()) -> list[CheckpointEntry]:
-        """Delete step directories that never completed (except KEEP_STEPS); returns what was removed."""
-        torn = [e for e in self.entries() if not e.complete and e.step not in keep_steps]
+    def remove_torn(self) -> list[CheckpointEntry]:
+        """Delete step directories that never completed; returns what was removed."""
+        torn = [e for e in self.entries() if not e.complete]
         for entry in torn:
             self.delete(entry)
         return torn
 
-    def apply_retention(self, keep_last: int, keep_best: int) -> list[CheckpointEntry]:
-        doomed = plan_retention(self.entries(), keep_last, keep_best)
+    def clean(self, keep_last: int, keep_best: int) -> list[CheckpointEntry]:
+        """Retention plus torn-directory removal, from one listing; returns what was removed."""
+        entries = self.entries()
+        doomed = plan_retention(entries, keep_last, keep_best) + [e for e in entries if not e.complete]
         for entry in doomed:
             self.delete(entry)
         return doomed

@@ -159,8 +159,7 @@ class CheckpointWriter:
     def _housekeeping(self, step: int) -> list[int]:
         """Retention and torn-directory cleanup; a failure here only delays cleanup."""
         try:
-            removed = self.catalog.apply_retention(self.keep_last, self.keep_best)
-            removed += self.catalog.remove_torn()
+            removed = self.catalog.clean(self.keep_last, self.keep_best)
         except Exception as exc:
             log.warning("checkpoint cleanup after step %d failed (will retry next time): %s", step, redact(str(exc)))
             return []

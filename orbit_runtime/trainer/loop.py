@@ -73,13 +73,19 @@ class RunState:
     adapter_version: int = 0
     started: float = field(default_factory=time.monotonic)
     elapsed_before: float = 0.0  # wall seconds of the run's earlier lives (before a resume)
-    steps: list[dict] = field(default_factory=list)
-    evals: list[dict] = field(default_factory=list)
-    rows: list[dict] = field(default_factory=list)  # every metrics.jsonl row, for checkpoints
+    rows: list[dict] = field(default_factory=list)  # every metrics.jsonl row (steps, evals, ...), for checkpoints
     reward_errors: int = 0
     last_checkpoint_step: int = 0
     last_checkpoint_time: float = field(default_factory=time.monotonic)
     resumed_from: str | None = None
+
+    @property
+    def steps(self) -> list[dict]:
+        return [r for r in self.rows if r.get("kind") == "step"]
+
+    @property
+    def evals(self) -> list[dict]:
+        return [r for r in self.rows if r.get("kind") == "eval"]
 
     @property
     def wall_seconds(self) -> float:
@@ -197,8 +203,6 @@ class Trainer:
         state.elapsed_before = saved.elapsed_seconds
         state.reward_errors = saved.reward_errors
         state.rows = list(saved.metrics)
-        state.steps = [r for r in saved.metrics if r.get("kind") == "step"]
-        state.evals = [r for r in saved.metrics if r.get("kind") == "eval"]
         state.resumed_from = plan.entry.uri
         self.paths.start_fresh()
         self.paths.metrics.write_text("".join(json.dumps(r) + "\n" for r in saved.metrics))
@@ -342,7 +346,6 @@ class Trainer:
             "examples": len(examples),
             "sample": texts[0][:80],
         }
-        self.state.evals.append(result)
         self.record(result)
         metrics.observe_eval(result)
         return result
@@ -475,7 +478,6 @@ class Trainer:
             "step_seconds": step_s,
             **{k: round(v, 4) for k, v in timings.items()},
         }
-        state.steps.append(record)
         metrics.observe_step(self.record(record), rewards.total)
         if self.rollout.restarts != self._restarts_written:
             self.write_processes()

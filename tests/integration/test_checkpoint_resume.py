@@ -18,6 +18,7 @@ import yaml
 from safetensors.torch import load_file
 
 from tests.integration.test_train import _alive, _steps, _wait_for
+from tests.integration.test_train import _orbit as run_orbit
 from tests.s3_endpoint import ACCESS_KEY, SECRET_KEY, FaultProxy
 
 pytestmark = pytest.mark.vllm
@@ -50,10 +51,9 @@ def _job(tmp_path: Path, int4_dir: Path, name: str, **overrides) -> Path:
 
 def _orbit(*args: str, env: dict) -> subprocess.Popen:
     """`orbit train ...` with the job's reward plugin (written next to the config) importable."""
-    config_dir = str(Path(args[1]).parent)
-    env = {**os.environ, **env, "PYTHONPATH": os.pathsep.join(filter(None, [config_dir, os.environ.get("PYTHONPATH")]))}
-    return subprocess.Popen([sys.executable, "-m", "orbit_runtime.cli", *args], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    config_dir = Path(args[1]).parent
+    pythonpath = os.pathsep.join(filter(None, [str(config_dir), os.environ.get("PYTHONPATH")]))
+    return run_orbit(*args, cwd=config_dir, env_extra={**env, "PYTHONPATH": pythonpath})
 
 
 def _finish(proc: subprocess.Popen, timeout: float = 600) -> str:

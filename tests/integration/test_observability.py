@@ -6,12 +6,10 @@ queries (with Grafana's `$__rate_interval`/`$__range` filled in)."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import httpx
@@ -20,6 +18,7 @@ import yaml
 
 from orbit_runtime.processes import free_port
 from tests.integration.test_checkpoint_resume import SHARE_OF_B
+from tests.integration.test_checkpoint_resume import _orbit as run_orbit
 from tests.integration.test_train import _steps, _wait_for
 
 pytestmark = pytest.mark.vllm
@@ -109,9 +108,7 @@ def test_every_dashboard_and_alert_expression_returns_data(tmp_path, int4_dir):
     config.write_text(yaml.safe_dump(job))
     run = tmp_path / "runs" / "observed"
     metrics_port = free_port()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.Popen([sys.executable, "-m", "orbit_runtime.cli", "train", str(config), "--metrics-port", str(metrics_port)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    proc = run_orbit("train", str(config), "--metrics-port", str(metrics_port), env={})
     prometheus = None
     try:
         roles = _wait_for(lambda: (run / "processes.json").exists() and json.loads((run / "processes.json").read_text()), 300,
