@@ -1,9 +1,14 @@
 """A job config's identity for resume: the settings that change what training computes.
 
-Where checkpoints go, how often they are written, how often evaluation runs, where metrics
-are served and how many steps the run lasts do not change the computation of any step, so they are left out: a
+Where checkpoints go, how often they are written, how evaluation and sync verification run,
+where metrics are served, what is logged and how many steps the run lasts do not change the
+computation of any step, so they are left out: a
 run can be resumed to train longer, or with checkpoints redirected. Everything else -
 model, adapter, algorithm, data, rewards, rollout sampling, schedule - is in the hash.
+
+The base model is identified by its content digest (model.base_digest, see
+int4/base_digest.py), not by its path: a base moved elsewhere is the same base, and a
+different base rebuilt at the same path is not.
 """
 
 from __future__ import annotations
@@ -14,7 +19,10 @@ from typing import Any
 
 from orbit_runtime.config.spec import JobSpec
 
-EXCLUDED = ("checkpoint", "eval", "metrics", "run.output_dir", "schedule.steps", "rollout.max_restarts", "rollout.kv_cache_gib")
+EXCLUDED = (
+    "checkpoint", "eval", "metrics", "sync", "run.output_dir", "run.log_samples", "schedule.steps",
+    "rollout.max_restarts", "rollout.kv_cache_gib", "reference.max_restarts",
+)  # fmt: skip
 
 
 def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
@@ -26,14 +34,21 @@ def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix: value}
 
 
-def training_fields(spec: JobSpec) -> dict[str, Any]:
+def training_fields(spec: JobSpec, base_digest: str | None = None) -> dict[str, Any]:
     """The config as {dotted.field: value}, without the EXCLUDED fields.
 
-    schedule.steps stays in when the LR decays: it sets the decay horizon.
+    schedule.steps stays in when the LR decays: it sets the decay horizon. With BASE_DIGEST
+    (`read_base_digest(spec.model.path)`) the base is identified by it: model.base_digest is
+    in and model.path is out. Without it, model.path stands for the base (as before).
     """
     excluded = EXCLUDED if spec.schedule.lr_schedule == "constant" else tuple(e for e in EXCLUDED if e != "schedule.steps")
+    if base_digest is not None:
+        excluded += ("model.path",)
     flat = _flatten(spec.model_dump(mode="json"))
-    return {k: v for k, v in flat.items() if not any(k == e or k.startswith(e + ".") for e in excluded)}
+    fields = {k: v for k, v in flat.items() if not any(k == e or k.startswith(e + ".") for e in excluded)}
+    if base_digest is not None:
+        fields["model.base_digest"] = base_digest
+    return fields
 
 
 def config_hash(fields: dict[str, Any]) -> str:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from orbit_runtime.atomic_dir import atomic_directory
 from orbit_runtime.errors import OrbitError
+from orbit_runtime.int4.base_digest import write_base_manifest
 from orbit_runtime.int4.schemes import WeightScheme, matches_any
 
 # Architectures whose checkpoint tensor names we know: every 2-D `*.weight` is a linear
@@ -51,6 +52,7 @@ class QuantizeReport:
     output_bytes: int = 0
     seconds: float = 0.0
     ignored_modules: list[str] = field(default_factory=list)
+    base_digest: str = ""  # content digest of DST, recorded in its base manifest (see base_digest.py)
 
 
 def list_shards(src: Path) -> list[Path]:
@@ -164,5 +166,7 @@ def quantize_checkpoint(
         report.ignored_modules = sorted(ignored | {"lm_head"})
         config["quantization_config"] = scheme.quantization_config(ignore=report.ignored_modules)
         (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+        # Last: the manifest's digest covers exactly the files written above.
+        report.base_digest = write_base_manifest(staging)
     report.seconds = time.monotonic() - started
     return report
