@@ -132,12 +132,14 @@ def train(
     except OrbitError as exc:
         _fail(exc)
     _configure_logging()
+    from orbit_runtime.sync.adapter_sync import SyncError
     from orbit_runtime.trainer.loop import Trainer
+    from orbit_runtime.trainer.roles import RoleDied
 
     try:
         trainer = Trainer(spec, console=console, resume=resume, resume_from=resume_from)
         summary = trainer.run(max_steps=max_steps)
-    except OrbitError as exc:
+    except (OrbitError, SyncError, RoleDied, OSError) as exc:  # the run's state was checkpointed consistently first
         _fail(exc)
     except KeyboardInterrupt as stop:
         signum = stop.args[0] if stop.args and isinstance(stop.args[0], int) else 2

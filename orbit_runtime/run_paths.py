@@ -15,6 +15,10 @@ class RunPaths:
         return self.root / "metrics.jsonl"
 
     @property
+    def samples(self) -> Path:  # run.log_samples rollout samples per step, one JSON object each
+        return self.root / "samples.jsonl"
+
+    @property
     def summary(self) -> Path:
         return self.root / "summary.json"
 
@@ -38,11 +42,12 @@ class RunPaths:
     def checkpoint_staging(self) -> Path:  # checkpoints are written here, then uploaded
         return self.root / "checkpoint-staging"
 
-    def start_fresh(self) -> None:
-        """A new run in an existing directory: drop the previous run's outputs (not its logs)."""
+    def start_fresh(self, keep_samples: bool = False) -> None:
+        """A new run (or life of a run) in an existing directory: drop the previous outputs (not
+        its logs; a resumed run keeps samples.jsonl and trims it to its checkpoint)."""
         import shutil
 
-        for path in (self.metrics, self.summary, self.report, self.processes):
+        for path in (self.metrics, *(() if keep_samples else (self.samples,)), self.summary, self.report, self.processes):
             path.unlink(missing_ok=True)
         shutil.rmtree(self.adapters, ignore_errors=True)
         shutil.rmtree(self.checkpoint_staging, ignore_errors=True)

@@ -34,7 +34,14 @@ class CorruptCheckpoint(StorageError):
 
 
 def step_dir(step: int) -> str:
+    """The directory name of checkpoint STEP (the one place that names it)."""
     return f"step-{step:08d}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    """`step-00000012` -> 12; None for any other name."""
+    match = _STEP_DIR.match(name)
+    return int(match.group(1)) if match else None
 
 
 @dataclass(frozen=True)
@@ -123,9 +130,9 @@ class CheckpointCatalog:
         by_step: dict[int, dict[str, int]] = {}
         for obj in self.store.list():
             head, _, rest = obj.key.partition("/")
-            match = _STEP_DIR.match(head)
-            if match and rest:
-                by_step.setdefault(int(match.group(1)), {})[rest] = obj.size
+            step = parse_step_dir(head)
+            if step is not None and rest:
+                by_step.setdefault(step, {})[rest] = obj.size
         out = []
         for step in sorted(by_step):
             listed = by_step[step]

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Protocol
 from urllib.parse import urlparse
 
+from orbit_runtime.config.storage_uri import validate_storage_uri
 from orbit_runtime.errors import OrbitError
 from orbit_runtime.redaction import redact
 
@@ -55,22 +56,6 @@ def sha256_file(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
-
-
-def validate_storage_uri(uri: str) -> str:
-    """Check URI's form (no I/O); raises ValueError naming the problem, never echoing credentials."""
-    parsed = urlparse(uri)
-    if parsed.scheme not in ("s3", "file"):
-        raise ValueError(
-            f"unsupported scheme {parsed.scheme + '://' if parsed.scheme else '(none)'}; use s3://bucket/prefix or file:///path"
-        )
-    if "@" in parsed.netloc:
-        raise ValueError("credentials must not be part of the URI; set them in the environment or a mounted Secret")
-    if parsed.scheme == "s3" and not parsed.netloc:
-        raise ValueError("s3 URI needs a bucket: s3://bucket/prefix")
-    if parsed.scheme == "file" and (parsed.netloc or not parsed.path.startswith("/")):
-        raise ValueError("file URI needs an absolute path: file:///absolute/path")
-    return uri.rstrip("/")
 
 
 def open_store(uri: str, *, retries: int = 4, connect_timeout_s: float = 5.0) -> ObjectStore:

@@ -13,6 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from orbit_runtime.config.adapter import AdapterSpec
+from orbit_runtime.config.storage_uri import validate_storage_uri
 from orbit_runtime.errors import OrbitError
 
 
@@ -38,7 +39,8 @@ class AlgorithmSpec(Section):
         "token_mean",
         description=(
             "token_mean: mean over all tokens of the batch (DAPO); sequence_mean: mean per sequence, then over "
-            "sequences (original GRPO); token_sum_norm: sum over tokens / (sequences * max_tokens) (Dr.GRPO)."
+            "sequences (original GRPO); token_sum_norm: sum over tokens / (sequences * rollout.max_tokens) (Dr.GRPO). "
+            "Sequences with no tokens are left out of the sequence counts (as verl's agg_loss does)."
         ),
     )
     normalize_advantage_std: bool = Field(True, description="Divide group-centred rewards by the group std (off in Dr.GRPO).")
@@ -49,7 +51,32 @@ class AlgorithmSpec(Section):
         "tis", description="Correct train-rollout mismatch with truncated (tis) or masked (mis) importance sampling."
     )
     is_cap: float = Field(
-        2.0, gt=1, description="TIS: weights are min(ratio, cap). MIS: tokens with ratio outside [1/cap, cap] are masked."
+        2.0,
+        gt=1,
+        description=(
+            "C for the importance ratio rho = p_learner / p_rollout of the sampled tokens (learner before the update; "
+            "see mismatch_level). TIS: weight min(rho, C). MIS: weight rho where rho <= C, else 0 (rejected). "
+            "Rejected tokens still count in the loss_aggregation denominators: they add 0, they do not shrink the average."
+        ),
+    )
+    mismatch_level: Literal["token", "sequence"] = Field(
+        "token",
+        description=(
+            "token: one rho per token. sequence: one rho per completion, the product of its tokens' ratios (as verl's "
+            "sequence-level IS), so TIS truncates and MIS keeps or rejects whole completions."
+        ),
+    )
+    dual_clip: float | None = Field(
+        3.0,
+        gt=1,
+        description=(
+            "Dual-clip PPO (verl's clip_ratio_c): for negative advantages a token's loss is capped at -A * dual_clip "
+            "(ratios above it get no gradient). Acts only when the ratio exceeds it, i.e. with epochs_per_batch > 1. "
+            "null disables it."
+        ),
+    )
+    kl_clamp: float | None = Field(
+        10.0, gt=0, description="Bound on the per-token k3 KL estimate (verl's low_var_kl uses 10); null disables it."
     )
     epochs_per_batch: int = Field(1, ge=1, le=8, description="Optimizer passes over each rollout batch.")
 
@@ -103,21 +130,42 @@ class RolloutSpec(Section):
     group_size: int = Field(8, ge=2, description="Completions sampled per prompt (the GRPO group).")
     prompts_per_step: int = Field(16, ge=1)
     max_tokens: int = Field(16, ge=1)
-    temperature: float = Field(1.0, gt=0)
-    top_p: float = Field(1.0, gt=0, le=1)
+    temperature: float = Field(
+        1.0, gt=0, description="Sampling temperature. The learner scores tokens at the same temperature (logits / T), "
+        "so the gradient is for the distribution that was sampled."
+    )
+    top_p: float = Field(
+        1.0, gt=0, le=1, description="Nucleus sampling. Only 1.0 is accepted: the learner scores the full distribution at "
+        "`temperature`, and training on a truncated sampler would optimise another policy than the one that acted."
+    )
     use_chat_template: bool = Field(True, description="Wrap prompts with the tokenizer's chat template.")
     kv_cache_gib: int = Field(1, ge=1, description="vLLM CPU KV cache (VLLM_CPU_KVCACHE_SPACE).")
     max_model_len: int = Field(512, ge=32)
     max_restarts: int = Field(2, ge=0, description="Times a dead rollout server is restarted before the run stops.")
+
+    @field_validator("top_p")
+    @classmethod
+    def validate_top_p(cls, top_p: float) -> float:
+        if top_p != 1.0:
+            raise ValueError(
+                "must be 1.0: the learner computes log-probs of the full distribution at rollout.temperature (as verl and "
+                "TRL do), so a truncated (top_p < 1) sampler would make the gradient that of another policy; "
+                "lower rollout.temperature instead"
+            )
+        return top_p
 
 
 class ReferenceSpec(Section):
     mode: Literal["shared", "server"] = Field(
         "shared", description="shared: the learner's own base with the adapter disabled; server: a separate HTTP process."
     )
+    max_restarts: int = Field(2, ge=0, description="server mode: times a dead reference server is restarted before the run stops.")
 
 
 class ScheduleSpec(Section):
+    """Optimisation schedule. The LR schedule advances once per RL step (one rollout batch),
+    whatever algorithm.epochs_per_batch is: warm-up and decay are counted in RL steps."""
+
     steps: int = Field(100, ge=1)
     learning_rate: float = Field(1e-4, gt=0)
     warmup_steps: int = Field(0, ge=0)
@@ -136,11 +184,21 @@ class SyncSpec(Section):
         None, gt=0, description="Max mean |dlogp| on the canary; default 2e-2 (fp16/fp32) or 1e-1 (bf16)."
     )
     retries: int = Field(2, ge=0, description="Reloads under a fresh name before the step fails.")
+    canary_completion: str = Field(
+        "\\boxed{{{answer}}}",
+        description="Text scored after each held-out canary prompt; {answer} is the prompt's reference answer "
+        "(prompts without one use 'ok'). Any fixed text works: it only has to be the same for both engines.",
+    )
 
 
 class EvalSpec(Section):
     every_steps: int = Field(10, ge=1, description="Greedy validation every N steps (and at start and end).")
     max_tokens: int | None = Field(None, ge=1, description="Default: rollout.max_tokens.")
+    reward: RewardSpec | None = Field(
+        None,
+        description="The held-out score: its mean over the held-out prompts is reported as held-out accuracy. "
+        "Default: exact_match with the kwargs of an exact_match entry in rewards, if any.",
+    )
 
 
 class CheckpointSpec(Section):
@@ -171,8 +229,6 @@ class CheckpointSpec(Section):
     @field_validator("uri")
     @classmethod
     def validate_uri(cls, uri: str | None) -> str | None:
-        from orbit_runtime.checkpoint.storage import validate_storage_uri
-
         return None if uri is None else validate_storage_uri(uri)  # ValueError -> the error names checkpoint.uri
 
     @model_validator(mode="after")
@@ -192,6 +248,10 @@ class MetricsSpec(Section):
 class RunSpec(Section):
     name: str = Field("orbit", pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", description="Run name (DNS label).")
     output_dir: str = Field("runs", description="Runs are written to <output_dir>/<name>/.")
+    log_samples: int = Field(
+        4, ge=0, description="Rollout samples per step written to <output_dir>/<name>/samples.jsonl (0: none; "
+        ">= the batch: all)."
+    )
 
 
 class JobSpec(Section):

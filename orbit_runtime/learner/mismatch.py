@@ -10,6 +10,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from orbit_runtime.algorithms.grpo import k3_kl_penalty
+
 
 @dataclass(frozen=True)
 class MismatchStats:
@@ -25,9 +27,9 @@ class MismatchStats:
 
 
 def k3_kl(learner_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor) -> torch.Tensor:
-    """Per-token k3 estimate of KL(rollout || learner): r - 1 - log r, r = p_learner / p_rollout."""
-    log_ratio = learner_logprobs.double() - rollout_logprobs.double()
-    return torch.expm1(log_ratio) - log_ratio
+    """Per-token k3 estimate of KL(rollout || learner): r - 1 - log r, r = p_learner / p_rollout
+    (the loss's k3 with the rollout as the sampling policy and the learner as the other)."""
+    return k3_kl_penalty(rollout_logprobs.double(), learner_logprobs.double())
 
 
 def measure_mismatch(learner: list[torch.Tensor], rollout: list[torch.Tensor]) -> MismatchStats:

@@ -2,7 +2,7 @@
 
 In the pod this is the reference container; locally `orbit train` starts it as a process
 when `reference.mode: server`. POST /v1/logprobs {"sequences": [{"prompt_ids": [...],
-"completion_ids": [...]}]} -> {"logprobs": [[...], ...]} (one list per completion token).
+"completion_ids": [...]}], "temperature": 1.0} -> {"logprobs": [[...], ...]} (one list per completion token).
 
     python -m orbit_runtime.reference.server --model-dir INT4_DIR --dtype bf16 --port 8001
 """
@@ -24,11 +24,11 @@ class Sequence(BaseModel):
 
 class LogprobsRequest(BaseModel):
     sequences: list[Sequence] = Field(min_length=1)
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature the log-probs are taken at (logits / T).")
 
 
 def create_app(model_dir: Path, dtype: str):
     """FastAPI app serving the base model's completion log-probs (one request at a time)."""
-    import torch
     from fastapi import FastAPI, HTTPException, Response
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -66,8 +66,8 @@ def create_app(model_dir: Path, dtype: str):
                 metrics.REFERENCE_REQUESTS.labels("invalid").inc()
                 raise HTTPException(422, f"sequences[{i}]: token ids {bad[:3]} outside the vocabulary [0, {vocab})")
         started = time.monotonic()
-        with metrics.REFERENCE_DURATION.time(), lock, torch.no_grad():
-            out = policy.completion_logprobs(pairs)
+        with metrics.REFERENCE_DURATION.time(), lock, policy.scoring():
+            out = policy.completion_logprobs(pairs, temperature=request.temperature)
         metrics.REFERENCE_REQUESTS.labels("ok").inc()
         metrics.REFERENCE_SEQUENCES.inc(len(pairs))
         stats["requests"] += 1

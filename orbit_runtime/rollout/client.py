@@ -1,12 +1,15 @@
 """HTTP client for the rollout engine (vLLM's OpenAI-compatible server).
 
-Generation sends token ids and returns token ids with per-token log-probs. Adapter versions
+Generation sends token ids and returns token ids with per-token log-probs (the server runs
+with `--logprobs-mode processed_logprobs`: log-probs of the distribution actually sampled,
+after temperature, which is what the learner computes). Adapter versions
 are loaded under a NEW name every time: vLLM caches adapters by name, so reusing a name
 would keep serving the old weights. The client refuses to reuse a name.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,13 +73,18 @@ class RolloutClient:
         max_tokens: int = 64,
         temperature: float = 1.0,
         top_p: float = 1.0,
-        seed: int | None = None,
+        seed: int | list[int] | None = None,
         ignore_eos: bool = False,
     ) -> list[list[Completion]]:
-        """Sample N completions per prompt; result[i][j] is completion j of prompt i."""
+        """Sample N completions per prompt; result[i][j] is completion j of prompt i.
+
+        SEED: one seed for the request, or one per prompt. vLLM applies a request's seed to
+        every prompt in it, so two equal prompts in one request would get the same samples;
+        with a seed per prompt, each prompt is its own request (sent concurrently: vLLM
+        batches them on its side).
+        """
         payload = {
             "model": model or self.base_model,
-            "prompt": prompts,
             "n": n,
             "max_tokens": max_tokens,
             "temperature": temperature,
@@ -86,9 +94,18 @@ class RolloutClient:
             "ignore_eos": ignore_eos,
             "skip_special_tokens": False,
         }
+        if isinstance(seed, list):
+            if len(seed) != len(prompts):
+                raise ValueError(f"{len(seed)} seeds for {len(prompts)} prompts")
+            with ThreadPoolExecutor(max_workers=min(len(prompts), 64)) as pool:
+                requests = [pool.submit(self._complete, [p], n, {**payload, "seed": s}) for p, s in zip(prompts, seed, strict=True)]
+                return [r.result()[0] for r in requests]
         if seed is not None:
             payload["seed"] = seed
-        choices = self._post("/v1/completions", payload).json()["choices"]
+        return self._complete(prompts, n, payload)
+
+    def _complete(self, prompts: list[list[int]], n: int, payload: dict) -> list[list[Completion]]:
+        choices = self._post("/v1/completions", {**payload, "prompt": prompts}).json()["choices"]
         grouped: list[list[Completion]] = [[] for _ in prompts]
         for choice in sorted(choices, key=lambda c: c["index"]):
             prompt_index = choice["index"] // n

@@ -61,6 +61,8 @@ class VLLMServerConfig:
             "--enforce-eager",
             "--seed", str(self.seed),
             "--disable-uvicorn-access-log",
+            # sampled tokens' log-probs after temperature (what the learner computes), not raw ones
+            "--logprobs-mode", "processed_logprobs",
             *(["--no-enable-chunked-prefill"] if is_cpu_build() else []),
             *self.extra_args,
         ]  # fmt: skip

@@ -7,10 +7,16 @@ Verification scores a fixed canary batch with both engines; if the rollout's log
 not within tolerance of the learner's, the new name is unloaded again (never served) and the
 load is retried; after the last retry the step fails with SyncError. The previously verified
 version stays served until a new one passes.
+
+The learner's side of the canary is computed once per version, when the version is
+published (`canary_expectations`), and kept with it: re-verifying a version later (after the
+rollout server restarted) compares against what THAT version scored, not against the
+learner's current weights, which may already be a newer version.
 """
 
 from __future__ import annotations
 
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +26,8 @@ import torch
 from orbit_runtime.atomic_dir import atomic_directory
 from orbit_runtime.observability import metrics
 from orbit_runtime.rollout.client import RolloutClient, adapter_name
+
+Canary = list[tuple[list[int], list[int]]]
 
 
 class SyncError(RuntimeError):
@@ -40,6 +48,18 @@ def publish_adapter(policy, adapters_root: Path, version: int) -> tuple[Path, in
     return final, size
 
 
+def prune_adapters(adapters_root: Path, newest: int, keep: int) -> None:
+    """Delete published versions older than the newest KEEP (the served one and its successor)."""
+    for old in range(1, newest - keep + 1):
+        shutil.rmtree(adapter_dir(adapters_root, old), ignore_errors=True)
+
+
+def canary_expectations(policy, canary: Canary) -> list[torch.Tensor]:
+    """The learner's log-probs of the canary (T=1, dropout off): what the rollout must reproduce."""
+    with policy.scoring():
+        return [t.float().cpu() for t in policy.completion_logprobs(canary)]
+
+
 @dataclass(frozen=True)
 class SyncResult:
     version: int
@@ -50,24 +70,23 @@ class SyncResult:
 
 
 class AdapterSync:
-    """Loads published adapter versions into vLLM and verifies them on a canary batch."""
+    """Loads published adapter versions into one vLLM server and verifies them on a canary batch."""
 
-    def __init__(self, client: RolloutClient, canary: list[tuple[list[int], list[int]]], tolerance: float, retries: int) -> None:
+    def __init__(self, client: RolloutClient, canary: Canary, tolerance: float, retries: int) -> None:
         self.client = client
         self.canary = canary
         self.tolerance = tolerance
         self.retries = retries
         self.served_name: str | None = None
-        self.failures = 0  # canary verifications that failed, over the run
+        self.served_version: int | None = None
+        self.failures = 0  # canary verifications that failed on this server
 
     def rollout_canary(self, name: str) -> list[torch.Tensor]:
         return [torch.tensor(self.client.score(p + c, model=name)[len(p) - 1 :]) for p, c in self.canary]
 
-    def sync(self, policy, version: int, path: Path) -> SyncResult:
-        """Serve adapter VERSION from PATH, verified against POLICY's current weights."""
+    def sync(self, version: int, path: Path, expected: list[torch.Tensor]) -> SyncResult:
+        """Serve adapter VERSION from PATH, verified against EXPECTED (its canary_expectations)."""
         started = time.monotonic()
-        with torch.no_grad():
-            expected = [t.float().cpu() for t in policy.completion_logprobs(self.canary)]
         last_delta = float("nan")
         for attempt in range(self.retries + 1):
             name = adapter_name(version) if attempt == 0 else f"{adapter_name(version)}-retry{attempt}"
@@ -75,7 +94,7 @@ class AdapterSync:
             got = self.rollout_canary(name)
             last_delta = float(torch.cat([(a - b).abs() for a, b in zip(expected, got, strict=True)]).mean())
             if last_delta <= self.tolerance:
-                previous, self.served_name = self.served_name, name
+                previous, self.served_name, self.served_version = self.served_name, name, version
                 if previous is not None:
                     self.client.unload_adapter(previous)
                 return SyncResult(version, name, time.monotonic() - started, last_delta, attempt + 1)

@@ -17,7 +17,7 @@ from urllib.parse import urlparse
 
 import torch
 
-from orbit_runtime.checkpoint.catalog import CheckpointCatalog, CheckpointEntry
+from orbit_runtime.checkpoint.catalog import CheckpointCatalog, CheckpointEntry, parse_step_dir
 from orbit_runtime.checkpoint.storage import open_store
 from orbit_runtime.config.fingerprint import describe_differences
 from orbit_runtime.errors import OrbitError
@@ -123,11 +123,12 @@ def split_checkpoint_uri(uri: str) -> tuple[str, int]:
     """`<prefix>/step-00000012` -> (`<prefix>`, 12); OrbitError if URI does not name a step."""
     parsed = urlparse(uri.rstrip("/"))
     head, _, last = parsed.path.rpartition("/")
-    if not last.startswith("step-") or not last[5:].isdigit():
+    step = parse_step_dir(last)
+    if step is None:
         raise OrbitError(
             f"--resume-from {uri!r}: expected a checkpoint URI ending in /step-NNNNNNNN (see `orbit checkpoints list`)"
         )
-    return f"{parsed.scheme}://{parsed.netloc}{head}", int(last[5:])
+    return f"{parsed.scheme}://{parsed.netloc}{head}", step
 
 
 @dataclass(frozen=True)
@@ -172,11 +173,21 @@ def plan_resume(
         return ResumePlan(None, None, "no checkpoint to resume from; starting fresh")
     latest = complete[-1]
     if latest.config_hash != config_hash:
-        differences = describe_differences(latest.manifest.get("config_fields", {}), config_fields)
+        recorded = latest.manifest.get("config_fields", {})
+        differences = describe_differences(recorded, config_fields)
+        reason, then = "with a different job config", "with the new config"
+        digest = config_fields.get("model.base_digest")
+        if digest is not None and recorded.get("model.base_digest") != digest:
+            then = "on this base"
+            reason = (
+                "on a different base model (model.base_digest differs: the base was rebuilt or replaced)"
+                if "model.base_digest" in recorded
+                else "by an Orbit that did not record the base's content digest, so it cannot be matched to this base"
+            )
         raise OrbitError(
-            f"{latest.uri} was written with a different job config (hash {latest.config_hash}, now {config_hash}); "
+            f"{latest.uri} was written {reason} (hash {latest.config_hash}, now {config_hash}); "
             "refusing to resume from it:\n  " + "\n  ".join(differences or ["(fields not recorded)"]) + "\n"
             "Use --checkpoint-uri to start a new run elsewhere, or --resume-from "
-            f"{latest.uri} to continue from it with the new config."
+            f"{latest.uri} to continue from it {then}."
         )
     return ResumePlan(catalog, latest, f"resuming from {latest.uri} (step {latest.step})")

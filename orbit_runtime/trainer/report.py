@@ -41,6 +41,19 @@ def _chart(title: str, series: dict[str, list[tuple[float, float]]]) -> str:
     return f"<div class='chart'><h3>{html.escape(title)}</h3>{svg}</div>"
 
 
+def _eval_samples(evals: list[dict]) -> str:
+    """A few greedy held-out completions per evaluation: what the model actually writes."""
+    rows = []
+    for row in evals:
+        for sample in row.get("samples", []):
+            cells = (row["step"], sample["prompt"], sample["completion"], sample.get("answer"), f"{sample['score']:g}")
+            rows.append("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in cells) + "</tr>")
+    if not rows:
+        return ""
+    head = "<tr><th>step</th><th>prompt</th><th>completion (greedy)</th><th>answer</th><th>score</th></tr>"
+    return f"<h2>Held-out samples</h2><table>{head}{''.join(rows)}</table>"
+
+
 def render_report(name: str, steps: list[dict], evals: list[dict], summary: dict) -> str:
     """HTML with reward, held-out accuracy, mismatch and sync-latency curves, plus the summary."""
 
@@ -59,9 +72,11 @@ def render_report(name: str, steps: list[dict], evals: list[dict], summary: dict
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>Orbit run {html.escape(name)}</title>
 <style>body{{font-family:sans-serif;margin:24px}} .chart{{display:inline-block;margin:8px}}
-pre{{background:#f6f6f6;padding:12px}}</style></head>
+pre{{background:#f6f6f6;padding:12px}} td,th{{border:1px solid #ddd;padding:4px 8px;text-align:left;white-space:pre-wrap}}
+table{{border-collapse:collapse}}</style></head>
 <body><h1>Orbit run: {html.escape(name)}</h1>
 <pre>{html.escape(json.dumps(summary, indent=2))}</pre>
 {"".join(charts)}
+{_eval_samples(evals)}
 </body></html>
 """

@@ -5,22 +5,26 @@ import torch
 
 from orbit_runtime.config import AdapterSpec
 from orbit_runtime.learner.model import load_policy
-from orbit_runtime.reference.client import ReferenceClient, ReferenceServer, SharedReference
+from orbit_runtime.reference.client import ReferenceClient, ReferenceServer
+from orbit_runtime.trainer.roles import ReferenceRole
 
 
 def test_reference_server_matches_learner_with_adapter_disabled(int4_dir, tmp_path):
     policy = load_policy(int4_dir, AdapterSpec(rank=8), dtype="fp32")
     policy.init_adapter_randomly(std=0.05, seed=0)  # must not leak into the reference
     pairs = [([97, 86, 84, 70], [18, 19, 12]), ([97, 66], [20, 21, 22, 23, 24])]
-    shared = SharedReference(policy).logprobs(pairs)
+    shared_role = ReferenceRole("shared", policy, int4_dir, "fp32", tmp_path / "unused.log", max_restarts=0)
+    shared, shared_cold = shared_role.logprobs(pairs, 1.0), shared_role.logprobs(pairs, 0.7)
     with ReferenceServer(int4_dir, "fp32", log_path=tmp_path / "ref.log") as server:
         client = ReferenceClient(server.base_url)
-        remote = client.logprobs(pairs)
+        remote, remote_cold = client.logprobs(pairs), client.logprobs(pairs, temperature=0.7)
         bad = client._http.post("/v1/logprobs", json={"sequences": [{"prompt_ids": [1], "completion_ids": [10**6]}]})
         client.close()
     for a, b, (_, completion) in zip(shared, remote, pairs, strict=True):
         assert b.shape == (len(completion),)
         assert torch.allclose(a, b, atol=1e-5)
+    for a, b, warm in zip(shared_cold, remote_cold, shared, strict=True):  # the sampling temperature reaches the server
+        assert torch.allclose(a, b, atol=1e-5) and not torch.allclose(a, warm, atol=1e-3)
     assert bad.status_code == 422 and "outside the vocabulary" in bad.text
     with torch.no_grad():
         with_adapter = policy.completion_logprobs(pairs)

@@ -1,0 +1,121 @@
+"""Building one rollout batch: prompts -> vLLM samples (seeded per prompt) -> rewards ->
+group advantages -> reference log-probs."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+
+import torch
+
+from orbit_runtime.algorithms.grpo import group_advantages
+from orbit_runtime.algorithms.update import UpdateBatch
+from orbit_runtime.config.spec import JobSpec
+from orbit_runtime.data.datasets import Example
+from orbit_runtime.rewards.scoring import RewardResult, RewardScorer
+from orbit_runtime.rollout.client import Completion
+from orbit_runtime.trainer.roles import ReferenceRole, RolloutRole
+
+
+def sampling_seeds(run_seed: int, step: int, count: int) -> list[int]:
+    """One vLLM seed per prompt position of step STEP: reproducible (also after a resume) and
+    distinct, so a prompt drawn twice in one batch gets two different groups. vLLM gives the
+    j-th completion of a prompt seed + j; seeds are spread over 2**31 so those ranges do not meet."""
+    return [
+        int.from_bytes(hashlib.sha256(f"{run_seed}:{step}:{position}".encode()).digest()[:4], "big") >> 1
+        for position in range(count)
+    ]
+
+
+def encode_prompt(tokenizer, example: Example, use_chat_template: bool) -> list[int]:
+    """Token ids of EXAMPLE's prompt, wrapped in the tokenizer's chat template when it has one."""
+    if use_chat_template and tokenizer.chat_template:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": example.prompt}], add_generation_prompt=True, tokenize=False)
+    else:
+        text = example.prompt
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def canary_pairs(spec: JobSpec, tokenizer, examples: list[Example]) -> list[tuple[list[int], list[int]]]:
+    """Fixed sequences both engines score after each sync: held-out prompts followed by
+    sync.canary_completion (with the prompt's answer; 'ok' without one), then EOS."""
+    pairs = []
+    for example in examples[: spec.sync.canary_sequences]:
+        text = spec.sync.canary_completion.format(answer=example.answer) if example.answer is not None else "ok"
+        completion = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+        pairs.append((encode_prompt(tokenizer, example, spec.rollout.use_chat_template), completion))
+    return pairs
+
+
+@dataclass
+class RolloutBatch:
+    """One step's samples, scored."""
+
+    indices: list[int]  # training-set indices of the prompts
+    examples: list[Example]
+    completions: list[Completion]  # prompt-major: group_size completions per prompt
+    texts: list[str]
+    rewards: RewardResult
+    advantages: torch.Tensor
+    ref_logprobs: list[torch.Tensor] | None
+
+    def for_update(self) -> UpdateBatch:
+        return UpdateBatch(
+            pairs=[(c.prompt_ids, c.token_ids) for c in self.completions],
+            rollout_logprobs=[torch.tensor(c.logprobs) for c in self.completions],
+            advantages=self.advantages,
+            ref_logprobs=self.ref_logprobs,
+        )
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.completions)
+
+
+class BatchBuilder:
+    """Turns the sampler's prompt indices into a scored RolloutBatch."""
+
+    def __init__(self, spec: JobSpec, tokenizer, scorer: RewardScorer, rollout: RolloutRole, reference: ReferenceRole) -> None:
+        self.spec = spec
+        self.tokenizer = tokenizer
+        self.scorer = scorer
+        self.rollout = rollout
+        self.reference = reference
+
+    def encode_prompt(self, example: Example) -> list[int]:
+        return encode_prompt(self.tokenizer, example, self.spec.rollout.use_chat_template)
+
+    def generate(self, examples: list[Example], step: int) -> list[Completion]:
+        """group_size samples per example, prompt-major, seeded per (run seed, step, position)."""
+        rollout = self.spec.rollout
+        prompts = [self.encode_prompt(e) for e in examples]
+        model = self.rollout.served_name
+        seeds = sampling_seeds(self.spec.schedule.seed, step, len(prompts))
+        groups = self.rollout.call(
+            lambda c: c.generate(prompts, model=model, n=rollout.group_size, max_tokens=rollout.max_tokens,
+                                 temperature=rollout.temperature, top_p=rollout.top_p, seed=seeds),
+            kind="generate",
+        )  # fmt: skip
+        return [c for g in groups for c in g]
+
+    def build(self, indices: list[int], examples: list[Example], step: int, timings: dict[str, float]) -> RolloutBatch:
+        spec, group = self.spec, self.spec.rollout.group_size
+        t = time.monotonic()
+        completions = self.generate(examples, step)
+        timings["generate_s"] = time.monotonic() - t
+
+        t = time.monotonic()
+        texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
+        per_sample = [e for e in examples for _ in range(group)]
+        rewards = self.scorer.score(texts, [e.prompt for e in per_sample], [e.answer for e in per_sample])
+        advantages = group_advantages(torch.tensor(rewards.total), group, spec.algorithm.normalize_advantage_std)
+        timings["reward_s"] = time.monotonic() - t
+
+        t = time.monotonic()
+        ref = None
+        if spec.algorithm.kl_beta > 0:
+            pairs = [(c.prompt_ids, c.token_ids) for c in completions]
+            ref = self.reference.logprobs(pairs, spec.rollout.temperature)
+        timings["reference_s"] = time.monotonic() - t
+        return RolloutBatch(indices, examples, completions, texts, rewards, advantages, ref)

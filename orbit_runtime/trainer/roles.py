@@ -1,0 +1,177 @@
+"""The roles the learner drives, as it sees them: the rollout engine (vLLM) and the reference
+policy (its own server process, or the learner's base with the adapter off).
+
+Every request to a role server goes through `call()`. If it fails and the server process is
+gone, the server is started again (at most `max_restarts` times over the run) and the
+request is retried; a failure while the server is alive is not a crash and is raised as is.
+After a rollout restart, the adapter version that was being served is loaded again and
+verified against the canary expectations kept for THAT version.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import httpx
+import torch
+
+from orbit_runtime.observability import metrics
+from orbit_runtime.processes import ManagedServer
+from orbit_runtime.reference.client import ReferenceClient, ReferenceServer
+from orbit_runtime.rollout.client import RolloutClient
+from orbit_runtime.rollout.server import VLLMServer, VLLMServerConfig
+from orbit_runtime.sync.adapter_sync import AdapterSync, Canary, SyncResult, canary_expectations
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class RoleDied(RuntimeError):
+    """A role server died more often than the run allows."""
+
+
+class SupervisedRole:
+    """A role server restarted when it dies. Subclasses build the server and its client."""
+
+    role = "role"
+
+    def __init__(self, max_restarts: int, restarts_metric) -> None:
+        self.max_restarts = max_restarts
+        self.restarts = 0
+        self.server: ManagedServer | None = None
+        self._restarts_metric = restarts_metric
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def _after_restart(self) -> None:
+        """Bring a fresh server back to the state the run expects (e.g. the served adapter)."""
+
+    def _restart(self, reason: Exception) -> None:
+        if self.restarts >= self.max_restarts:
+            raise RoleDied(
+                f"{self.role} server died ({type(reason).__name__}: {reason}) and was already restarted "
+                f"{self.restarts} time(s) ({self.role}.max_restarts); log {self.server.log_path}:\n{self.server.log_tail(20)}"
+            ) from reason
+        self.restarts += 1
+        self._restarts_metric.inc()
+        log.warning("%s server is gone (%s); restarting (%d/%d)", self.role, reason, self.restarts, self.max_restarts)
+        self.stop()
+        self.start()
+        self._after_restart()
+
+    def supervised(self, fn: Callable[[], T]) -> T:
+        """Run FN, restarting a dead server and retrying."""
+        while True:
+            try:
+                return fn()
+            except (httpx.HTTPError, RuntimeError) as exc:
+                if isinstance(exc, RoleDied) or self.server is None or self.server.alive_after(grace_s=5.0):
+                    raise
+                self._restart(exc)
+
+
+class RolloutRole(SupervisedRole):
+    """vLLM with verified adapter versions."""
+
+    role = "rollout"
+
+    def __init__(self, config: VLLMServerConfig, canary: Canary, tolerance: float, retries: int, max_restarts: int) -> None:
+        super().__init__(max_restarts, metrics.ROLLOUT_RESTARTS)
+        self.config = config
+        self.canary, self.tolerance, self.retries = canary, tolerance, retries
+        self.client: RolloutClient | None = None
+        self.sync: AdapterSync | None = None
+        self.failures_before = 0  # canary failures on servers that died
+        self.current: tuple[int, Path] | None = None  # (version, path) served
+        self._expected: dict[int, list[torch.Tensor]] = {}  # canary expectations per published version
+
+    def start(self) -> None:
+        self.config.port = 0  # a fresh port: an old one may linger in TIME_WAIT
+        self.server = VLLMServer(self.config).start()
+        self.client = RolloutClient(self.server.base_url)
+        self.sync = AdapterSync(self.client, self.canary, self.tolerance, self.retries)
+
+    def stop(self) -> None:
+        if self.sync is not None:
+            self.failures_before += self.sync.failures
+            self.sync.failures = 0
+        if self.client is not None:
+            self.client.close()
+        if self.server is not None:
+            self.server.stop()
+
+    def _after_restart(self) -> None:
+        if self.current is not None:
+            version, path = self.current
+            self.sync.sync(version, path, self._expected[version])
+
+    @property
+    def served_name(self) -> str | None:
+        return self.sync.served_name if self.sync else None
+
+    @property
+    def canary_failures(self) -> int:
+        return self.failures_before + (self.sync.failures if self.sync else 0)
+
+    def call(self, fn: Callable[[RolloutClient], T], kind: str = "request") -> T:
+        """FN(client) against the engine (restarting it if it died); KIND labels the latency metric."""
+
+        def attempt() -> T:
+            with metrics.ROLLOUT_IN_FLIGHT.track_inprogress(), metrics.ROLLOUT_REQUEST_DURATION.labels(kind).time():
+                return fn(self.client)
+
+        return self.supervised(attempt)
+
+    def healthy(self) -> bool:
+        """Does the engine answer its health check right now?"""
+        client = self.client
+        return client is not None and client.healthy()
+
+    def publish(self, policy, version: int, path: Path) -> SyncResult:
+        """Serve adapter VERSION (POLICY's current weights, published at PATH), verified."""
+        expected = canary_expectations(policy, self.canary)
+        self._expected[version] = expected
+        result = self.call(lambda _client: self.sync.sync(version, path, expected), kind="sync")
+        self.current = (version, path)
+        self._expected = {v: e for v, e in self._expected.items() if v >= version}
+        return result
+
+
+class ReferenceRole(SupervisedRole):
+    """Reference log-probs. shared: the learner's base with the adapter off (no process);
+    server: the reference server, supervised like the rollout."""
+
+    role = "reference"
+
+    def __init__(self, mode: str, policy, model_dir: Path, dtype: str, log_path: Path, max_restarts: int) -> None:
+        super().__init__(max_restarts, metrics.REFERENCE_RESTARTS)
+        self.mode = mode
+        self.policy = policy
+        self.model_dir, self.dtype, self.log_path = model_dir, dtype, log_path
+        self.client: ReferenceClient | None = None
+
+    def start(self) -> None:
+        if self.mode != "server":
+            return
+        self.server = ReferenceServer(self.model_dir, self.dtype, self.log_path).start()
+        self.client = ReferenceClient(self.server.base_url)
+
+    def stop(self) -> None:
+        if self.client is not None:
+            self.client.close()
+        if self.server is not None:
+            self.server.stop()
+
+    def logprobs(self, pairs: Canary, temperature: float) -> list[torch.Tensor]:
+        """Per-token reference log-probs of each completion at the sampling TEMPERATURE."""
+        if self.mode != "server":
+            with self.policy.scoring(), self.policy.adapter_disabled():
+                return [t.float() for t in self.policy.completion_logprobs(pairs, temperature=temperature)]
+        return self.supervised(lambda: self.client.logprobs(pairs, temperature))
