@@ -78,7 +78,7 @@ def _steps(run: Path) -> list[dict]:
     return [r for r in rows if r["kind"] == "step"]
 
 
-def test_run_survives_rollout_death_and_a_raising_reward(tmp_path, int4_dir):
+def test_run_survives_rollout_and_reference_death_and_a_raising_reward(tmp_path, int4_dir):
     (tmp_path / "plugins").mkdir()
     (tmp_path / "plugins" / "fragile_rewards.py").write_text(FRAGILE_REWARD)
     config = _job(
@@ -94,12 +94,14 @@ def test_run_survives_rollout_death_and_a_raising_reward(tmp_path, int4_dir):
         _wait_for(lambda: len(_steps(run)) >= 2, 300, "two training steps")
         roles = json.loads((run / "processes.json").read_text())
         os.kill(roles["rollout"]["pid"], signal.SIGKILL)  # the rollout server dies mid-run
+        _wait_for(lambda: len(_steps(run)) >= 3, 300, "a step after the rollout restart")
+        os.kill(roles["reference"]["pid"], signal.SIGKILL)  # and then the reference server
         output, _ = proc.communicate(timeout=600)
     finally:
         proc.kill()
     assert proc.returncode == 0, output[-3000:]
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["steps"] == 5 and summary["rollout_restarts"] == 1, summary
+    assert summary["steps"] == 5 and summary["rollout_restarts"] == 1 and summary["reference_restarts"] == 1, summary
     assert summary["reward_errors"] > 0  # the raising reward was isolated and counted
     steps = _steps(run)
     assert [s["step"] for s in steps] == [1, 2, 3, 4, 5]
@@ -109,9 +111,13 @@ def test_run_survives_rollout_death_and_a_raising_reward(tmp_path, int4_dir):
     assert all(s["reference_s"] > 0 and s["kl"] >= 0 for s in steps), steps
     assert max(s["mismatch_mean_abs"] for s in steps) < 2e-2, [s["mismatch_mean_abs"] for s in steps]
     assert sorted(p.name for p in (run / "adapters").iterdir()) == ["v4", "v5"]
-    assert (run / "report.html").read_text().count("<svg") == 7
+    report = (run / "report.html").read_text()
+    assert report.count("<svg") == 7 and "Held-out samples" in report
+    samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]  # run.log_samples: 4 a step
+    assert [s["step"] for s in samples] == [step for step in range(1, 6) for _ in range(4)]
+    assert {"step", "prompt", "completion", "reward", "group"} <= samples[0].keys()
     roles = json.loads((run / "processes.json").read_text())
-    assert roles["rollout"]["restarts"] == 1
+    assert roles["rollout"]["restarts"] == 1 and roles["reference"]["restarts"] == 1
     for role in ("rollout", "reference"):
         assert not _alive(roles[role]["pid"]), f"{role} server outlived the run"
 
