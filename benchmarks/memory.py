@@ -77,6 +77,7 @@ def worker(system: str, model_dir: Path, batch: int, seq_len: int, rank: int, ch
         policy = load_policy(model_dir, AdapterSpec(rank=rank, alpha=2 * rank), dtype="bf16")
         policy.set_gradient_checkpointing(checkpointing)
         model = policy.model
+        model.train()  # as the update does (Policy.training()): transformers checkpoints only in train mode
         params = policy.trainable_parameters()
     else:
         from transformers import AutoModelForCausalLM

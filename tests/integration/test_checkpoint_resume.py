@@ -4,6 +4,7 @@ fails or refuses storage connections)."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -109,21 +110,76 @@ def test_kill_9_then_resume_continues_exactly(straight_run, tmp_path, int4_dir, 
     resumed = _finish(_orbit("train", str(config), "--checkpoint-uri", uri, "--resume", env=env))
     assert f"resuming from {uri}/step-00000002" in resumed
 
+    _assert_same_as_straight_run(straight_run, run, uri, tmp_path, env)
+    resume_rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"resume"' in line]
+    assert resume_rows and resume_rows[0]["from_step"] == 2 and resume_rows[0]["seconds_to_first_step"] > 0
+
+
+def _assert_same_as_straight_run(straight_run: dict, run: Path, uri: str, tmp_path: Path, env: dict) -> None:
+    """The resumed run's steps and final adapter equal the straight run's."""
     straight, again = _steps(straight_run["run"]), _steps(run)
     assert [s["step"] for s in again] == list(range(1, STEPS + 1))
     for key in ("prompt_indices", "learning_rate", "adapter_version"):
         assert [s[key] for s in again] == [s[key] for s in straight], key
     assert len({s["learning_rate"] for s in again}) == STEPS  # warm-up: a different LR at every step
     assert [s["reward_mean"] for s in again] == [s["reward_mean"] for s in straight]  # same samples (seeded)
-    resume_rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"resume"' in line]
-    assert resume_rows and resume_rows[0]["from_step"] == 2 and resume_rows[0]["seconds_to_first_step"] > 0
-
     expected = _export(straight_run["uri"], STEPS, tmp_path / "a", env)
     got = _export(uri, STEPS, tmp_path / "b", env)
     assert expected.keys() == got.keys()
     assert any(t.abs().max() > 0 for k, t in expected.items() if "lora_B" in k), "the adapter never moved: nothing was tested"
     for key in expected:
         torch.testing.assert_close(got[key], expected[key], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fault", ["disk_full", "sync_error"])
+def test_failed_commit_leaves_a_consistent_checkpoint(straight_run, tmp_path, int4_dir, s3_env, monkeypatch, fault):
+    """Step 3's update is applied, then publishing it hits a full disk, or the rollout will not
+    serve it (SyncError). The run must stop at step 2's state: the checkpoint it leaves holds
+    step 2's adapter, optimizer, LR schedule, data cursor and RNG, and a resume from it equals
+    the straight run. The faults are injected by wrapping one function in this in-process
+    learner (a full disk or a canary mismatch cannot be produced on demand here); the learner,
+    vLLM, S3 and the resume (a real `orbit train` process) are real."""
+    from orbit_runtime.config import load_job_spec
+    from orbit_runtime.sync.adapter_sync import SyncError
+    from orbit_runtime.trainer import loop
+
+    env = s3_env.env()
+    uri = f"s3://{s3_env.new_bucket()}/{fault.replace('_', '-')}"
+    # no periodic checkpoint: the only one is what the failing run leaves behind
+    config = _job(tmp_path, int4_dir, "faulty", checkpoint={"every_steps": 100, "keep_last": 5, "retries": 1})
+    monkeypatch.syspath_prepend(str(tmp_path))  # the reward plugin
+    spec = load_job_spec(config)
+    spec = spec.model_copy(update={"checkpoint": spec.checkpoint.model_copy(update={"uri": uri})})
+    trainer = loop.Trainer(spec)
+    if fault == "disk_full":
+        real_publish = loop.publish_adapter
+
+        def publish_adapter(policy, root, version):
+            if version == 3:
+                raise OSError(errno.ENOSPC, "No space left on device", str(root))
+            return real_publish(policy, root, version)
+
+        monkeypatch.setattr(loop, "publish_adapter", publish_adapter)
+        expected_error = OSError
+    else:
+        real_sync = trainer.rollout.publish
+
+        def sync(policy, version, path):
+            if version == 3:
+                raise SyncError(f"adapter v{version} from {path}: rollout canary log-probs differ (injected)")
+            return real_sync(policy, version, path)
+
+        monkeypatch.setattr(trainer.rollout, "publish", sync)
+        expected_error = SyncError
+    with pytest.raises(expected_error):
+        trainer.run()
+    assert trainer.state.step == 2 and trainer.state.adapter_version == 2
+    assert [(c["step"], c["complete"], c["adapter_version"]) for c in _checkpoints(uri, env)] == [(2, True, 2)]
+
+    run = tmp_path / "faulty" / "t"
+    resumed = _finish(_orbit("train", str(config), "--checkpoint-uri", uri, "--resume", env=env))
+    assert f"resuming from {uri}/step-00000002" in resumed
+    _assert_same_as_straight_run(straight_run, run, uri, tmp_path, env)
 
 
 def test_resume_refuses_a_different_config(straight_run, int4_dir, s3_endpoint):
