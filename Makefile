@@ -75,7 +75,9 @@ test-fast: install
 demo: install
 	$(VENV)/bin/orbit demo-model $(RUN_DIR)/base --warmup-steps 400 --overwrite
 	$(VENV)/bin/orbit quantize $(RUN_DIR)/base $(RUN_DIR)/base-int4 --overwrite
-	# a new base: checkpoints of an earlier demo run would otherwise be resumed
+	# make demo shows a whole run from step 0. (A base rebuilt differently is never resumed
+	# onto anyway: the checkpoint's base digest would not match; an identical rebuild would
+	# resume the finished run and train nothing.)
 	rm -rf $(RUN_DIR)/checkpoints
 	$(VENV)/bin/orbit train examples/quickstart.yaml
 

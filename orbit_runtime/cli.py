@@ -139,12 +139,17 @@ def train(
     try:
         trainer = Trainer(spec, console=console, resume=resume, resume_from=resume_from)
         summary = trainer.run(max_steps=max_steps)
-    except (OrbitError, SyncError, RoleDied, OSError) as exc:  # the run's state was checkpointed consistently first
+    except (OrbitError, SyncError, RoleDied) as exc:  # once the loop ran, its last consistent state was checkpointed
         _fail(exc)
+    except OSError as exc:  # a full disk, a permission: say what, keep the traceback for a bug report
+        import logging
+
+        logging.getLogger("orbit").error("the run stopped on an OS error", exc_info=True)
+        _fail(OrbitError(f"{type(exc).__name__}: {exc}"))
     except KeyboardInterrupt as stop:
         signum = stop.args[0] if stop.args and isinstance(stop.args[0], int) else 2
         raise typer.Exit(code=128 + signum) from None
-    before, after = summary["heldout_accuracy_before"], summary["heldout_accuracy_after"]
+    before, after = summary.get("heldout_accuracy_before"), summary.get("heldout_accuracy_after")
     if before is not None and after is not None:
         console.print(
             f"held-out accuracy: {before:.1%} before -> {after:.1%} after "

@@ -187,8 +187,18 @@ class SyncSpec(Section):
     canary_completion: str = Field(
         "\\boxed{{{answer}}}",
         description="Text scored after each held-out canary prompt; {answer} is the prompt's reference answer "
-        "(prompts without one use 'ok'). Any fixed text works: it only has to be the same for both engines.",
+        "(prompts without one use 'ok'). Any fixed text works: it only has to be the same for both engines. "
+        "A Python format string: write literal braces twice ({{ }}).",
     )
+
+    @field_validator("canary_completion")
+    @classmethod
+    def validate_canary(cls, template: str) -> str:
+        try:
+            template.format(answer="42")
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ValueError(f"not a format string with only {{answer}} ({type(exc).__name__}: {exc}); write literal braces twice") from None
+        return template
 
 
 class EvalSpec(Section):

@@ -97,9 +97,12 @@ class RolloutClient:
         if isinstance(seed, list):
             if len(seed) != len(prompts):
                 raise ValueError(f"{len(seed)} seeds for {len(prompts)} prompts")
-            with ThreadPoolExecutor(max_workers=min(len(prompts), 64)) as pool:
+            pool = ThreadPoolExecutor(max_workers=min(len(prompts), 64))
+            try:
                 requests = [pool.submit(self._complete, [p], n, {**payload, "seed": s}) for p, s in zip(prompts, seed, strict=True)]
                 return [r.result()[0] for r in requests]
+            finally:  # on Ctrl-C, do not wait for the other requests (the engine is stopped next)
+                pool.shutdown(wait=False, cancel_futures=True)
         if seed is not None:
             payload["seed"] = seed
         return self._complete(prompts, n, payload)

@@ -63,6 +63,10 @@ class VLLMServerConfig:
             "--disable-uvicorn-access-log",
             # sampled tokens' log-probs after temperature (what the learner computes), not raw ones
             "--logprobs-mode", "processed_logprobs",
+            # vLLM's own sampling defaults, not the checkpoint's generation_config.json: an Instruct
+            # model's top_k / repetition_penalty would otherwise apply to every request silently,
+            # and the policy that samples would no longer be the one the learner trains
+            "--generation-config", "vllm",
             *(["--no-enable-chunked-prefill"] if is_cpu_build() else []),
             *self.extra_args,
         ]  # fmt: skip

@@ -78,7 +78,6 @@ class AdapterSync:
         self.tolerance = tolerance
         self.retries = retries
         self.served_name: str | None = None
-        self.served_version: int | None = None
         self.failures = 0  # canary verifications that failed on this server
 
     def rollout_canary(self, name: str) -> list[torch.Tensor]:
@@ -94,7 +93,7 @@ class AdapterSync:
             got = self.rollout_canary(name)
             last_delta = float(torch.cat([(a - b).abs() for a, b in zip(expected, got, strict=True)]).mean())
             if last_delta <= self.tolerance:
-                previous, self.served_name, self.served_version = self.served_name, name, version
+                previous, self.served_name = self.served_name, name
                 if previous is not None:
                     self.client.unload_adapter(previous)
                 return SyncResult(version, name, time.monotonic() - started, last_delta, attempt + 1)

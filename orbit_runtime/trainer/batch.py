@@ -90,10 +90,9 @@ class BatchBuilder:
         """group_size samples per example, prompt-major, seeded per (run seed, step, position)."""
         rollout = self.spec.rollout
         prompts = [self.encode_prompt(e) for e in examples]
-        model = self.rollout.served_name
         seeds = sampling_seeds(self.spec.schedule.seed, step, len(prompts))
-        groups = self.rollout.call(
-            lambda c: c.generate(prompts, model=model, n=rollout.group_size, max_tokens=rollout.max_tokens,
+        groups = self.rollout.call(  # served_name read per attempt: a restarted server may serve another name
+            lambda c: c.generate(prompts, model=self.rollout.served_name, n=rollout.group_size, max_tokens=rollout.max_tokens,
                                  temperature=rollout.temperature, top_p=rollout.top_p, seed=seeds),
             kind="generate",
         )  # fmt: skip

@@ -35,9 +35,8 @@ class Evaluator:
         examples = self.examples
         prompts = [self.builder.encode_prompt(e) for e in examples]
         max_tokens = self.spec.eval.max_tokens or self.spec.rollout.max_tokens
-        model = self.rollout.served_name
         groups = self.rollout.call(
-            lambda c: c.generate(prompts, model=model, n=1, max_tokens=max_tokens, temperature=0.0), kind="eval"
+            lambda c: c.generate(prompts, model=self.rollout.served_name, n=1, max_tokens=max_tokens, temperature=0.0), kind="eval"
         )
         texts = [self.tokenizer.decode(g[0].token_ids, skip_special_tokens=True) for g in groups]
         prompt_texts, answers = [e.prompt for e in examples], [e.answer for e in examples]

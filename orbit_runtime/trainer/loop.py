@@ -39,14 +39,14 @@ from orbit_runtime.observability.server import MetricsServer
 from orbit_runtime.rewards.scoring import RewardScorer
 from orbit_runtime.rollout.server import VLLMServerConfig
 from orbit_runtime.run_paths import RunPaths
-from orbit_runtime.sync.adapter_sync import SyncResult, prune_adapters, publish_adapter
+from orbit_runtime.sync.adapter_sync import prune_adapters, publish_adapter
 from orbit_runtime.trainer.batch import BatchBuilder, RolloutBatch, canary_pairs
 from orbit_runtime.trainer.checkpoint_manager import CheckpointManager
 from orbit_runtime.trainer.checkpointing import TrainingState, capture_rng, checkpoint_score, restore_rng
 from orbit_runtime.trainer.evaluation import Evaluator
-from orbit_runtime.trainer.recorder import RunRecorder, RunState, reward_stats, sample_rows
+from orbit_runtime.trainer.recorder import RunRecorder, RunState, sample_rows, step_row
 from orbit_runtime.trainer.roles import ReferenceRole, RolloutRole
-from orbit_runtime.trainer.rollback import LearnerSnapshot
+from orbit_runtime.trainer.rollback import StepSnapshot
 from orbit_runtime.trainer.stopping import StopController, Stopped
 
 log = logging.getLogger(__name__)
@@ -166,6 +166,22 @@ class Trainer:
         for event in self.checkpoints.events():
             metrics.observe_checkpoint(self.recorder.record(event))
 
+    def _shut_down(self, reason: str, interrupted: bool) -> dict:
+        """Checkpoint the last completed step (waiting a bounded time), write the summary and report.
+        Each part is attempted even if another fails (e.g. on a full disk), so the error that
+        stopped the run is the one the user sees; failures here are logged."""
+        summary: dict = {}
+        for what, action in (("final checkpoint", lambda: self._finish_checkpoints(reason)),
+                             ("summary", lambda: summary.update(self.write_summary(interrupted)))):  # fmt: skip
+            try:
+                action()
+            except Exception as exc:
+                log.error("could not write the %s (%s): %s: %s", what, reason, type(exc).__name__, exc)
+        metrics.LEARNER_UP.set(0)
+        if self.metrics_server:
+            self.metrics_server.stop()
+        return summary
+
     def _finish_checkpoints(self, reason: str) -> None:
         """Checkpoint the last completed step (if not yet) and wait a bounded time for it to land."""
         if self.state.step > self.checkpoints.last_step:
@@ -203,7 +219,11 @@ class Trainer:
     def _probe_rollout(self) -> None:
         """Background: keep orbit_rollout_up current between steps (a step may take minutes)."""
         while not self._probe_stop.wait(self.ROLLOUT_PROBE_INTERVAL_S):
-            metrics.ROLLOUT_UP.set(1 if self.rollout.healthy() else 0)
+            try:
+                up = self.rollout.healthy()
+            except Exception:  # a client closed by a restart in between: down for this probe
+                up = False
+            metrics.ROLLOUT_UP.set(1 if up else 0)
 
     # ---- one RL step ---------------------------------------------------------------------
     def evaluate(self) -> dict:
@@ -216,21 +236,18 @@ class Trainer:
         timings: dict[str, float] = {}
         started = time.monotonic()
         state = self.state
-        sampler_before, rng_before = self.sampler.state_dict(), capture_rng()
-        counters_before = (state.step, state.adapter_version, state.reward_errors, len(state.rows))
-        snapshot: LearnerSnapshot | None = None
+        snapshot = StepSnapshot.capture(self.policy, self.optimizer, self.scheduler, self.sampler.state_dict())
+        counters = (state.step, state.adapter_version, state.reward_errors, len(state.rows))
         updated = False
+
+        def before_optimizer_step() -> None:
+            nonlocal updated
+            self.stop.commit_started()  # from here on the step completes or is rolled back
+            updated = True
+
         try:
             indices = self.sampler.next_batch(self.spec.rollout.prompts_per_step)
-            examples = [self.splits.train[i] for i in indices]
-            batch = self.builder.build(indices, examples, state.step, timings)
-            snapshot = LearnerSnapshot.capture(self.policy, self.optimizer, self.scheduler, sampler_before, rng_before)
-
-            def before_optimizer_step() -> None:
-                nonlocal updated
-                self.stop.commit_started()  # from here on the step completes or is rolled back
-                updated = True
-
+            batch = self.builder.build(indices, [self.splits.train[i] for i in indices], state.step, timings)
             t = time.monotonic()
             update = policy_update(self.policy, self.optimizer, batch.for_update(), self.loss_config,
                                    temperature=self.spec.rollout.temperature, max_grad_norm=self.spec.schedule.max_grad_norm,
@@ -241,59 +258,37 @@ class Trainer:
             timings["train_s"] = time.monotonic() - t
             return self._commit(batch, update, lr, timings, started)
         except BaseException:
-            if snapshot is not None:
-                snapshot.restore(self.policy, self.optimizer, self.scheduler)
-            self.sampler = PromptSampler.from_state(sampler_before)
-            restore_rng(*rng_before)
-            state.step, state.adapter_version, state.reward_errors = counters_before[:3]
-            del state.rows[counters_before[3] :]
-            if updated:
-                metrics.LEARNER_STEP_ROLLBACKS.inc()
-                log.warning("step %d failed after its update; rolled back to the state after step %d", state.step + 1, state.step)
+            with self.stop.deferred():  # a further Ctrl-C must not leave the rollback half done
+                self.sampler = PromptSampler.from_state(snapshot.restore(self.policy, self.optimizer, self.scheduler))
+                state.step, state.adapter_version, state.reward_errors = counters[:3]
+                del state.rows[counters[3] :]
+                if updated:
+                    metrics.LEARNER_STEP_ROLLBACKS.inc()
+                    log.warning("step %d failed after its update; rolled back to the state after step %d", state.step + 1, state.step)
             raise
 
     def _commit(self, batch: RolloutBatch, update: UpdateResult, lr: float, timings: dict[str, float], started: float) -> dict:
-        """Publish and serve the updated adapter, then record the step."""
+        """Publish and serve the updated adapter, then record the step (the step row is written last)."""
         state = self.state
         t = time.monotonic()
         version = state.adapter_version + 1
         path, size = publish_adapter(self.policy, self.paths.adapters, version)
         sync = self.rollout.publish(self.policy, version, path)
         timings["sync_s"] = time.monotonic() - t
-        state.adapter_version = version
-        metrics.LEARNER_ADAPTER_VERSION.set(version)
-        metrics.SYNC_ROLLOUT_VERSION.set(version)
         prune_adapters(self.paths.adapters, version, keep=2)
+        state.adapter_version = version
         state.step += 1
         state.reward_errors += sum(batch.rewards.errors.values())
-        row = self._step_row(batch, update, sync, lr, size, timings, time.monotonic() - started)
-        self.recorder.record_samples(sample_rows(state.step, batch, self.spec.rollout.group_size, self.spec.run.log_samples))
-        metrics.observe_step(self.recorder.record(row), batch.rewards.total)
         if (self.rollout.restarts, self.reference.restarts) != self._restarts_written:
             self.write_processes()
+        self.recorder.record_samples(sample_rows(state.step, batch, self.spec.rollout.group_size, self.spec.run.log_samples))
+        restarts = {"rollout_restarts": self.rollout.restarts, "reference_restarts": self.reference.restarts}
+        row = self.recorder.record(step_row(state.step, version, batch, update, sync, lr=lr, adapter_bytes=size, timings=timings,
+                                            step_seconds=time.monotonic() - started, restarts=restarts))  # fmt: skip
+        metrics.LEARNER_ADAPTER_VERSION.set(version)
+        metrics.SYNC_ROLLOUT_VERSION.set(version)
+        metrics.observe_step(row, batch.rewards.total)
         return row
-
-    def _step_row(self, batch: RolloutBatch, update: UpdateResult, sync: SyncResult, lr: float, adapter_bytes: int,
-                  timings: dict[str, float], step_s: float) -> dict:  # fmt: skip
-        mean, std = reward_stats(batch.rewards.total)
-        mismatch = update.mismatch
-        return {
-            "kind": "step", "step": self.state.step,
-            "reward_mean": mean, "reward_std": std, "reward_errors": sum(batch.rewards.errors.values()),
-            "loss": update.loss, "policy_loss": update.policy_loss, "kl": update.kl,
-            "clip_fraction": update.clip_fraction, "dual_clip_fraction": update.dual_clip_fraction,
-            "is_weight_mean": update.is_weight_mean, "mis_rejected_fraction": update.mis_rejected_fraction,
-            "grad_norm": update.grad_norm, "learning_rate": lr, "optimizer_steps": update.optimizer_steps,
-            "mismatch_mean_abs": mismatch.mean_abs_dlogp, "mismatch_max_abs": mismatch.max_abs_dlogp,
-            "mismatch_k3_kl": mismatch.k3_kl,
-            "samples": len(batch.completions), "tokens": batch.tokens, "prompt_indices": batch.indices,
-            "tokens_per_second": batch.tokens / step_s,
-            "adapter_version": self.state.adapter_version, "adapter_bytes": adapter_bytes,
-            "sync_seconds": sync.seconds, "sync_attempts": sync.attempts, "canary_mean_abs_dlogp": sync.canary_mean_abs_dlogp,
-            "rollout_restarts": self.rollout.restarts, "reference_restarts": self.reference.restarts,
-            "step_seconds": step_s,
-            **{k: round(v, 4) for k, v in timings.items()},
-        }  # fmt: skip
 
     # ---- the run -------------------------------------------------------------------------
     def run(self, max_steps: int | None = None) -> dict:
@@ -335,13 +330,10 @@ class Trainer:
             interrupted = True
             self._say(f"stopped at step {self.state.step} ({self.stop.name}); servers shut down")
         finally:
+            with self.stop.deferred():  # stop signals are recorded, never raised, while shutting down
+                self.stop_roles()
+                summary = self._shut_down("stopping" if interrupted else "end of run", interrupted)
             self.stop.uninstall()
-            self.stop_roles()
-            self._finish_checkpoints("stopping" if interrupted else "end of run")
-            summary = self.write_summary(interrupted)
-            metrics.LEARNER_UP.set(0)
-            if self.metrics_server:
-                self.metrics_server.stop()
         if interrupted:
             raise KeyboardInterrupt(self.stop.signal)
         return summary

@@ -8,7 +8,9 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from orbit_runtime.algorithms.update import UpdateResult
 from orbit_runtime.run_paths import RunPaths
+from orbit_runtime.sync.adapter_sync import SyncResult
 from orbit_runtime.trainer.batch import RolloutBatch
 from orbit_runtime.trainer.report import render_report
 
@@ -56,9 +58,37 @@ def sample_rows(step: int, batch: RolloutBatch, group_size: int, limit: int) -> 
     return rows
 
 
-def reward_stats(rewards: list[float]) -> tuple[float, float]:
+def step_row(step: int, adapter_version: int, batch: RolloutBatch, update: UpdateResult, sync: SyncResult, *, lr: float,
+             adapter_bytes: int, timings: dict[str, float], step_seconds: float, restarts: dict[str, int]) -> dict:  # fmt: skip
+    """The metrics.jsonl row of one committed step."""
+    rewards = batch.rewards.total
     mean = sum(rewards) / len(rewards)
-    return mean, math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
+    mismatch = update.mismatch
+    return {
+        "kind": "step", "step": step,
+        "reward_mean": mean, "reward_std": math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards)),
+        "reward_errors": sum(batch.rewards.errors.values()),
+        "loss": update.loss, "policy_loss": update.policy_loss, "kl": update.kl,
+        "clip_fraction": update.clip_fraction, "dual_clip_fraction": update.dual_clip_fraction,
+        "is_weight_mean": update.is_weight_mean, "mis_rejected_fraction": update.mis_rejected_fraction,
+        "grad_norm": update.grad_norm, "learning_rate": lr, "optimizer_steps": update.optimizer_steps,
+        "mismatch_mean_abs": mismatch.mean_abs_dlogp, "mismatch_max_abs": mismatch.max_abs_dlogp,
+        "mismatch_k3_kl": mismatch.k3_kl,
+        "samples": len(batch.completions), "tokens": batch.tokens, "prompt_indices": batch.indices,
+        "tokens_per_second": batch.tokens / step_seconds,
+        "adapter_version": adapter_version, "adapter_bytes": adapter_bytes,
+        "sync_seconds": sync.seconds, "sync_attempts": sync.attempts, "canary_mean_abs_dlogp": sync.canary_mean_abs_dlogp,
+        **restarts, "step_seconds": step_seconds,
+        **{k: round(v, 4) for k, v in timings.items()},
+    }  # fmt: skip
+
+
+def _sample_step(line: str) -> float:
+    """The step of a samples.jsonl line; a torn line (a crash mid-write) sorts after every step."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return math.inf
 
 
 class RunRecorder:
@@ -88,7 +118,7 @@ class RunRecorder:
         self.paths.metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
         step = max((r["step"] for r in rows if r.get("kind") == "step"), default=0)
         if self.paths.samples.exists():
-            kept = [line for line in self.paths.samples.read_text().splitlines() if json.loads(line)["step"] <= step]
+            kept = [line for line in self.paths.samples.read_text().splitlines() if _sample_step(line) <= step]
             self.paths.samples.write_text("".join(line + "\n" for line in kept))
 
     def write_processes(self, roles: dict) -> None:

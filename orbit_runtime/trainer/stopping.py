@@ -3,12 +3,15 @@
 While nothing of the run's state has changed (generating, scoring, before the optimizer
 touches the adapter), a stop signal interrupts at once: the step is abandoned and redone
 after a resume. After that, the step completes and the run stops between steps. A second
-Ctrl-C interrupts anywhere; the trainer then rolls the half-done step back (see rollback).
+Ctrl-C interrupts anywhere except inside `deferred()` blocks; the trainer then rolls the
+half-done step back (see rollback), itself a deferred block.
 """
 
 from __future__ import annotations
 
+import contextlib
 import signal
+from collections.abc import Iterator
 
 
 class Stopped(Exception):
@@ -19,6 +22,7 @@ class StopController:
     def __init__(self) -> None:
         self.signal: int | None = None
         self.interruptible = False  # may a stop signal abort the current work right away?
+        self._deferred = 0  # > 0 while a rollback or the final checkpoint must not be interrupted
         self._previous: dict = {}
 
     def install(self) -> None:
@@ -34,6 +38,16 @@ class StopController:
         """From here on the step completes (or is rolled back): no interruption on the first signal."""
         self.interruptible = False
 
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        """Signals are recorded but never raise inside this block (undoing a step, staging the
+        last checkpoint): an interruption there would leave a state that mixes two steps."""
+        self._deferred += 1
+        try:
+            yield
+        finally:
+            self._deferred -= 1
+
     def check(self) -> None:
         """Between steps: honour a signal that arrived while the step could not be interrupted."""
         if self.signal is not None:
@@ -44,6 +58,9 @@ class StopController:
         return signal.Signals(self.signal).name if self.signal else "none"
 
     def _on_signal(self, signum, frame) -> None:
+        if self._deferred:
+            self.signal = self.signal or signum
+            return
         if self.signal is not None and signum == signal.SIGINT:
             raise Stopped(f"signal {signum}")  # a second Ctrl-C: the user is not waiting any longer
         self.signal = signum

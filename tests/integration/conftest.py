@@ -3,6 +3,9 @@
 Tests that load adapters use distinct version numbers: vLLM never sees a name twice.
 """
 
+import json
+import shutil
+
 import pytest
 
 from orbit_runtime.rollout.client import RolloutClient
@@ -11,10 +14,20 @@ from orbit_runtime.rollout.server import VLLMServer, VLLMServerConfig
 RANK = 8
 
 
+# An Instruct checkpoint's generation_config.json carries sampling defaults (Qwen2.5-Instruct:
+# top_k 20, repetition_penalty 1.05). The served copy gets stronger ones, so a rollout engine
+# that applied them silently would fail the parity tests instead of passing by luck.
+INSTRUCT_SAMPLING_DEFAULTS = {"top_k": 5, "top_p": 0.5, "repetition_penalty": 1.5, "temperature": 0.3}
+
+
 @pytest.fixture(scope="session")
 def vllm_server(int4_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "vllm.log"
-    config = VLLMServerConfig(int4_dir, dtype="float16", max_lora_rank=RANK, log_path=log)
+    served = tmp_path_factory.mktemp("served") / "base"
+    shutil.copytree(int4_dir, served)
+    generation = json.loads((served / "generation_config.json").read_text())
+    (served / "generation_config.json").write_text(json.dumps({**generation, **INSTRUCT_SAMPLING_DEFAULTS}))
+    config = VLLMServerConfig(served, dtype="float16", max_lora_rank=RANK, log_path=log)
     with VLLMServer(config) as server:
         yield server
 

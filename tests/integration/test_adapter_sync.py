@@ -77,5 +77,6 @@ def test_vllm_killed_while_a_sync_is_in_flight_recovers_both_versions(int4_dir, 
         assert role.restarts == 1 and role.server.pid != first_pid
         assert result.version == 2 and role.served_name == "orbit-adapter-v2" and role.canary_failures == 0
         assert role.client.served_models() == ["base", "orbit-adapter-v2"]
+        assert role.client.loaded == ["orbit-adapter-v2"] and "orbit-adapter-v1" in role.client._ever_loaded  # v1 came back first
     finally:
         role.stop()

@@ -131,10 +131,11 @@ def _assert_same_as_straight_run(straight_run: dict, run: Path, uri: str, tmp_pa
         torch.testing.assert_close(got[key], expected[key], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("fault", ["disk_full", "sync_error"])
+@pytest.mark.parametrize("fault", ["disk_full", "sync_error", "disk_full_recording"])
 def test_failed_commit_leaves_a_consistent_checkpoint(straight_run, tmp_path, int4_dir, s3_env, monkeypatch, fault):
     """Step 3's update is applied, then publishing it hits a full disk, or the rollout will not
-    serve it (SyncError). The run must stop at step 2's state: the checkpoint it leaves holds
+    serve it (SyncError), or - once it is served and the step counted - writing its samples
+    hits a full disk. The run must stop at step 2's state: the checkpoint it leaves holds
     step 2's adapter, optimizer, LR schedule, data cursor and RNG, and a resume from it equals
     the straight run. The faults are injected by wrapping one function in this in-process
     learner (a full disk or a canary mismatch cannot be produced on demand here); the learner,
@@ -151,6 +152,7 @@ def test_failed_commit_leaves_a_consistent_checkpoint(straight_run, tmp_path, in
     spec = load_job_spec(config)
     spec = spec.model_copy(update={"checkpoint": spec.checkpoint.model_copy(update={"uri": uri})})
     trainer = loop.Trainer(spec)
+    expected_error = None
     if fault == "disk_full":
         real_publish = loop.publish_adapter
 
@@ -171,15 +173,53 @@ def test_failed_commit_leaves_a_consistent_checkpoint(straight_run, tmp_path, in
 
         monkeypatch.setattr(trainer.rollout, "publish", sync)
         expected_error = SyncError
+    if fault == "disk_full_recording":
+        real_record = trainer.recorder.record_samples
+
+        def record_samples(rows):
+            if rows and rows[0]["step"] == 3:
+                raise OSError(errno.ENOSPC, "No space left on device", "samples.jsonl")
+            return real_record(rows)
+
+        monkeypatch.setattr(trainer.recorder, "record_samples", record_samples)
+        expected_error = OSError
     with pytest.raises(expected_error):
         trainer.run()
     assert trainer.state.step == 2 and trainer.state.adapter_version == 2
+    assert [r["step"] for r in trainer.state.steps] == [1, 2]
     assert [(c["step"], c["complete"], c["adapter_version"]) for c in _checkpoints(uri, env)] == [(2, True, 2)]
 
-    run = tmp_path / "faulty" / "t"
-    resumed = _finish(_orbit("train", str(config), "--checkpoint-uri", uri, "--resume", env=env))
-    assert f"resuming from {uri}/step-00000002" in resumed
-    _assert_same_as_straight_run(straight_run, run, uri, tmp_path, env)
+    _assert_same_checkpoint(straight_run["uri"], uri, step=2)  # what the straight run saved after step 2
+    if fault == "disk_full":  # and a resume from it continues exactly like the straight run (a real process)
+        run = tmp_path / "faulty" / "t"
+        resumed = _finish(_orbit("train", str(config), "--checkpoint-uri", uri, "--resume", env=env))
+        assert f"resuming from {uri}/step-00000002" in resumed
+        _assert_same_as_straight_run(straight_run, run, uri, tmp_path, env)
+
+
+def _assert_same_checkpoint(expected_uri: str, got_uri: str, step: int) -> None:
+    """Checkpoint STEP under both URIs holds the same learner state (adapter, AdamW, LR schedule,
+    RNG, data cursor, counters); only timings and metrics rows may differ."""
+    from orbit_runtime.checkpoint.catalog import CheckpointCatalog
+    from orbit_runtime.checkpoint.storage import open_store
+    from orbit_runtime.trainer.checkpointing import read_checkpoint_files
+
+    states, adapters = [], []
+    for uri in (expected_uri, got_uri):
+        catalog = CheckpointCatalog(open_store(uri))
+        local = catalog.download_to_temp(catalog.get(step))
+        states.append(read_checkpoint_files(local))
+        adapters.append(load_file(local / "adapter" / "adapter_model.safetensors"))
+    expected, got = states
+    assert (got.step, got.adapter_version, got.sampler, got.config_hash) == (
+        expected.step, expected.adapter_version, expected.sampler, expected.config_hash)  # fmt: skip
+    assert got.scheduler == expected.scheduler and got.python_rng == expected.python_rng
+    assert torch.equal(got.torch_rng, expected.torch_rng)
+    for key in adapters[0]:
+        torch.testing.assert_close(adapters[1][key], adapters[0][key], rtol=1e-5, atol=1e-6)
+    for index, moments in expected.optimizer["state"].items():
+        for name, value in moments.items():
+            torch.testing.assert_close(got.optimizer["state"][index][name], value, rtol=1e-5, atol=1e-7)
 
 
 def test_resume_refuses_a_different_config(straight_run, int4_dir, s3_endpoint):

@@ -8,7 +8,7 @@ from orbit_runtime.algorithms.grpo import LossConfig
 from orbit_runtime.algorithms.update import UpdateBatch, policy_update
 from orbit_runtime.config import AdapterSpec
 from orbit_runtime.learner.model import load_policy
-from orbit_runtime.trainer.rollback import LearnerSnapshot
+from orbit_runtime.trainer.rollback import StepSnapshot
 
 PAIRS = [([97, 86, 84, 70], [18, 19, 12, 40]), ([97, 66], [20, 21, 22, 23, 24]), ([97, 66], [20, 30])]
 CONFIG = LossConfig(max_tokens=5)
@@ -60,10 +60,17 @@ def test_dropout_is_on_in_the_update_and_off_for_old_logprobs(int4_dir):
     with policy.training(), torch.no_grad():
         noisy = policy.completion_logprobs(PAIRS)
     assert (noisy[0] - batch.rollout_logprobs[0]).abs().max() > 1e-3  # training mode really drops out
-    optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=1e-2)
-    result = policy_update(policy, optimizer, batch, CONFIG, temperature=1.0, max_grad_norm=1.0)
-    # old log-probs (and the mismatch) come from scoring mode, exactly the rollout's here
-    assert result.mismatch.max_abs_dlogp < 1e-6
+    start = policy.adapter_state()
+    adapters = []
+    for seed in (1, 2):  # the update passes drop out: different masks, different updates
+        policy.load_adapter_state(start)
+        torch.manual_seed(seed)
+        optimizer = torch.optim.SGD(policy.trainable_parameters(), lr=1.0)
+        result = policy_update(policy, optimizer, batch, CONFIG, temperature=1.0, max_grad_norm=1e9)
+        # old log-probs (and the mismatch) come from scoring mode, exactly the rollout's here
+        assert result.mismatch.max_abs_dlogp < 1e-6
+        adapters.append(policy.adapter_state())
+    assert any(not torch.allclose(adapters[0][k], adapters[1][k]) for k in start)
 
 
 def test_snapshot_restores_the_learner_exactly(int4_dir):
@@ -74,11 +81,13 @@ def test_snapshot_restores_the_learner_exactly(int4_dir):
     scheduler.step()
     adapter, lr = policy.adapter_state(), scheduler.get_last_lr()
     moments = {k: v.clone() for k, v in optimizer.state_dict()["state"][0].items()}
-    snapshot = LearnerSnapshot.capture(policy, optimizer, scheduler, sampler_state={}, rng=())
+    snapshot = StepSnapshot.capture(policy, optimizer, scheduler, sampler_state={"cursor": 7})
+    random_draw = torch.rand(3)
 
     policy_update(policy, optimizer, _batch(policy, 1.0, (-1.0, 1.0, 0.0)), CONFIG, temperature=1.0, max_grad_norm=1.0)
     scheduler.step()
-    snapshot.restore(policy, optimizer, scheduler)
+    assert snapshot.restore(policy, optimizer, scheduler) == {"cursor": 7}
+    assert torch.equal(torch.rand(3), random_draw)  # the RNG is back where the step started
     assert all(torch.equal(policy.adapter_state()[k], v) for k, v in adapter.items())
     assert scheduler.get_last_lr() == lr
     for key, value in optimizer.state_dict()["state"][0].items():
