@@ -163,7 +163,7 @@ def test_failed_commit_leaves_a_consistent_checkpoint(straight_run, tmp_path, in
 
         monkeypatch.setattr(loop, "publish_adapter", publish_adapter)
         expected_error = OSError
-    else:
+    if fault == "sync_error":
         real_sync = trainer.rollout.publish
 
         def sync(policy, version, path):
@@ -213,7 +213,9 @@ def _assert_same_checkpoint(expected_uri: str, got_uri: str, step: int) -> None:
     expected, got = states
     assert (got.step, got.adapter_version, got.sampler, got.config_hash) == (
         expected.step, expected.adapter_version, expected.sampler, expected.config_hash)  # fmt: skip
-    assert got.scheduler == expected.scheduler and got.python_rng == expected.python_rng
+    assert got.scheduler == expected.scheduler
+    # torch's RNG is seeded by the trainer (schedule.seed); Python's is not (no Orbit code draws
+    # from it), so it differs between two processes and is not compared
     assert torch.equal(got.torch_rng, expected.torch_rng)
     for key in adapters[0]:
         torch.testing.assert_close(adapters[1][key], adapters[0][key], rtol=1e-5, atol=1e-6)
