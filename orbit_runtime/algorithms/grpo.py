@@ -21,6 +21,10 @@ denominator, as verl's `agg_loss` does:
   (non-empty sequences * max_tokens). `max_tokens` must be given (the rollout's generation
   limit): it is a constant, so a sequence's weight does not depend on its length.
 
+Micro-batches: a loss over part of a batch takes the whole batch's denominators
+(`BatchTotals`: real tokens and non-empty sequences), so the parts' losses - and their
+gradients and statistics - add up to exactly the whole batch's.
+
 Mismatch correction (`mismatch_weights`), with rho = p_learner_old / p_rollout of the sampled
 token (no gradient), per token or - `mismatch_level="sequence"` - one rho per sequence, the
 product of its tokens' ratios (exp of the summed log-ratios over its real tokens, verl's
@@ -123,23 +127,43 @@ def mismatch_weights(
     return _mismatch(old_logprobs, rollout_logprobs, mode, cap, level, mask)[0]
 
 
-def _sequence_counts(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B] real-token counts per sequence, and the number of non-empty sequences (at least 1)."""
-    per_sequence = mask.sum(dim=-1)
-    return per_sequence, (per_sequence > 0).sum().clamp(min=1)
+@dataclass(frozen=True)
+class BatchTotals:
+    """The denominators of a batch's loss: its real tokens and its non-empty sequences (each at least 1)."""
+
+    tokens: int
+    sequences: int
+
+    @classmethod
+    def of_lengths(cls, lengths: list[int]) -> BatchTotals:
+        """From the completion lengths (real tokens per sequence) of the whole batch."""
+        return cls(tokens=max(sum(lengths), 1), sequences=max(sum(1 for n in lengths if n > 0), 1))
+
+    @classmethod
+    def of_mask(cls, mask: torch.Tensor) -> BatchTotals:
+        per_sequence = mask.bool().sum(dim=-1)
+        return cls(tokens=max(int(per_sequence.sum()), 1), sequences=max(int((per_sequence > 0).sum()), 1))
 
 
-def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: LossAggregation, max_tokens: int | None = None) -> torch.Tensor:
+def aggregate(
+    per_token: torch.Tensor,
+    mask: torch.Tensor,
+    mode: LossAggregation,
+    max_tokens: int | None = None,
+    totals: BatchTotals | None = None,
+) -> torch.Tensor:
     """Reduce [B, T] per-token values to a scalar over the real tokens (modes: module docstring).
 
-    Masked positions are dropped with `torch.where`, so NaN / inf there does not propagate.
-    An empty batch gives 0.
+    TOTALS: the denominators of the whole batch when [B, T] is one micro-batch of it (default:
+    this batch's own). Masked positions are dropped with `torch.where`, so NaN / inf there
+    does not propagate. An empty batch gives 0.
     """
     real = mask.bool()
     values = torch.where(real, per_token, 0.0)
+    totals = totals or BatchTotals.of_mask(real)
     if mode == "token_mean":
-        return values.sum() / real.sum().clamp(min=1)
-    counts, sequences = _sequence_counts(real)
+        return values.sum() / totals.tokens
+    counts, sequences = real.sum(dim=-1), totals.sequences
     if mode == "sequence_mean":
         return (values.sum(dim=-1) / counts.clamp(min=1)).sum() / sequences
     if mode == "token_sum_norm":
@@ -189,11 +213,13 @@ class LossInputs:
     advantages: torch.Tensor  # [B]
     mask: torch.Tensor  # [B, T]
     ref_logprobs: torch.Tensor | None = None  # [B, T], needed when kl_beta > 0
+    totals: BatchTotals | None = None  # the whole batch's denominators when this is one micro-batch of it
 
 
 @dataclass
 class LossOutputs:
-    """The loss and per-batch statistics; every share is over the real tokens."""
+    """The loss and per-batch statistics; every share is over the real tokens (of the whole
+    batch when LossInputs.totals is given, so the micro-batches' values add up)."""
 
     loss: torch.Tensor
     policy_loss: float
@@ -234,21 +260,22 @@ def grpo_loss(inputs: LossInputs, config: LossConfig) -> LossOutputs:
         old_logprobs, clean(inputs.rollout_logprobs.detach()), config.correction, config.is_cap, config.mismatch_level, real
     )
     per_token = -objective * weights
-    policy = aggregate(per_token, real, config.aggregation, config.max_tokens)
+    totals = inputs.totals or BatchTotals.of_mask(real)
+    policy = aggregate(per_token, real, config.aggregation, config.max_tokens, totals)
     loss = policy
     kl_value = 0.0
     if config.kl_beta > 0:
         if inputs.ref_logprobs is None:
             raise ValueError("kl_beta > 0 needs reference log-probs")
         kl_tokens = k3_kl_penalty(logprobs, clean(inputs.ref_logprobs), config.kl_clamp)
-        kl = aggregate(kl_tokens, real, config.aggregation, config.max_tokens)
+        kl = aggregate(kl_tokens, real, config.aggregation, config.max_tokens, totals)
         loss = loss + config.kl_beta * kl
         kl_value = float(kl.detach())
     elif inputs.ref_logprobs is not None:  # reported only
         kl_tokens = k3_kl_penalty(logprobs.detach(), clean(inputs.ref_logprobs), config.kl_clamp)
-        kl_value = float(aggregate(kl_tokens, real, "token_mean"))
+        kl_value = float(aggregate(kl_tokens, real, "token_mean", totals=totals))
 
-    tokens = real.sum().clamp(min=1)
+    tokens = totals.tokens
 
     def share(flags: torch.Tensor) -> float:
         return float((flags & real).sum() / tokens)
