@@ -2,10 +2,16 @@
 the GRPO loss, and AdamW on the adapter. No I/O and no run state: the trainer decides what
 happens around it (snapshots, publishing, recording).
 
+The batch is passed over `epochs` times; each pass is split into `minibatches` optimizer
+steps (PPO minibatches), and each minibatch into micro-batches under the learner's token
+budget (one forward/backward each, gradients accumulated; see learner/micro_batches.py).
+Loss normalisers are the minibatch's, so micro-batching never changes the update.
+
 Old log-probs (the policy before this update, PPO's denominator) and the train-rollout
 mismatch are taken in scoring mode (dropout off), the update passes in training mode. When
-the adapter has no dropout the two modes compute the same numbers, so the first update
-pass's log-probs are reused as the old ones instead of running a separate forward.
+the adapter has no dropout and the whole batch is one optimizer step per pass, the two
+modes compute the same numbers before the first step, so the first pass's log-probs are
+reused as the old ones instead of running a separate forward.
 """
 
 from __future__ import annotations
@@ -16,7 +22,14 @@ from dataclasses import dataclass
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from orbit_runtime.algorithms.grpo import LossConfig, LossInputs, grpo_loss
+from orbit_runtime.algorithms.grpo import BatchTotals, LossConfig, LossInputs, LossOutputs, grpo_loss
+from orbit_runtime.learner.micro_batches import (
+    NO_LIMITS,
+    MicroBatchLimits,
+    logprobs_in_micro_batches,
+    sequence_lengths,
+    split_minibatches,
+)
 from orbit_runtime.learner.mismatch import MismatchStats, measure_mismatch
 
 Pairs = list[tuple[list[int], list[int]]]
@@ -39,6 +52,8 @@ class UpdateBatch:
 
 @dataclass
 class UpdateResult:
+    """The update's statistics: losses and shares are means over its optimizer steps."""
+
     loss: float
     policy_loss: float
     kl: float
@@ -46,9 +61,14 @@ class UpdateResult:
     is_weight_mean: float
     dual_clip_fraction: float
     mis_rejected_fraction: float
-    grad_norm: float  # before clipping, last optimizer step
+    grad_norm: float  # before clipping
     mismatch: MismatchStats  # learner (before the update) vs rollout, same tokens
     optimizer_steps: int
+    micro_batches: int  # forward/backward passes of the update
+
+
+STAT_FIELDS = ("loss", "policy_loss", "kl", "clip_fraction", "is_weight_mean", "dual_clip_fraction",
+               "mis_rejected_fraction", "grad_norm")  # fmt: skip
 
 
 def policy_update(
@@ -60,42 +80,80 @@ def policy_update(
     temperature: float,
     max_grad_norm: float,
     epochs: int = 1,
+    minibatches: int = 1,
+    limits: MicroBatchLimits = NO_LIMITS,
     before_first_optimizer_step: Callable[[], None] | None = None,
 ) -> UpdateResult:
-    """EPOCHS optimizer steps over BATCH. BEFORE_FIRST_OPTIMIZER_STEP runs once, right before the
-    adapter is first modified (the trainer uses it to stop accepting interruptions)."""
-    rollout = pad(batch.rollout_logprobs)
-    mask = pad([torch.ones(len(c)) for _, c in batch.pairs])
-    ref = pad(batch.ref_logprobs) if batch.ref_logprobs is not None else None
-    old: torch.Tensor | None = None
-    mismatch: MismatchStats | None = None
-    if policy.has_dropout:
+    """EPOCHS x MINIBATCHES optimizer steps over BATCH, in micro-batches under LIMITS.
+
+    BEFORE_FIRST_OPTIMIZER_STEP runs once, right before the adapter is first modified (the
+    trainer uses it to stop accepting interruptions).
+    """
+    count = len(batch.pairs)
+    chunks = split_minibatches(count, minibatches)
+    lengths = sequence_lengths(batch.pairs)
+    old_rows: list[torch.Tensor | None] = [None] * count
+    if policy.has_dropout or minibatches > 1:
         with policy.scoring():
-            old_rows = policy.completion_logprobs(batch.pairs, temperature=temperature)
-        old, mismatch = pad(old_rows), measure_mismatch(old_rows, batch.rollout_logprobs)
-    for epoch in range(epochs):
-        with policy.training():  # also through backward: checkpointed layers recompute in the same mode
-            rows = policy.completion_logprobs(batch.pairs, temperature=temperature)
-            new = pad(rows)
-            if old is None:
-                old, mismatch = new.detach(), measure_mismatch([r.detach() for r in rows], batch.rollout_logprobs)
-            out = grpo_loss(LossInputs(new, old, rollout, batch.advantages, mask, ref), loss_config)
+            old_rows = logprobs_in_micro_batches(policy, batch.pairs, limits, temperature)
+    totals = {name: 0.0 for name in STAT_FIELDS}
+    steps = passes = 0
+    for _ in range(epochs):
+        for chunk in chunks:
             optimizer.zero_grad(set_to_none=True)
-            out.loss.backward()
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
-        if epoch == 0 and before_first_optimizer_step is not None:
-            before_first_optimizer_step()
-        optimizer.step()
-    return UpdateResult(
-        loss=float(out.loss.detach()),
-        policy_loss=out.policy_loss,
-        kl=out.kl,
-        clip_fraction=out.clip_fraction,
-        is_weight_mean=out.is_weight_mean,
-        dual_clip_fraction=out.dual_clip_fraction,
-        mis_rejected_fraction=out.mis_rejected_fraction,
-        grad_norm=grad_norm,
-        mismatch=mismatch,
-        optimizer_steps=epochs,
-    )
+            batch_totals = BatchTotals.of_lengths([len(batch.pairs[i][1]) for i in chunk])
+            step_stats = {name: 0.0 for name in STAT_FIELDS}
+            for group in limits.plan([lengths[i] for i in chunk]):
+                out = _accumulate(policy, batch, [chunk[j] for j in group], old_rows, batch_totals, loss_config, temperature)
+                for name in STAT_FIELDS[:-1]:
+                    step_stats[name] += float(out.loss.detach()) if name == "loss" else getattr(out, name)
+                passes += 1
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            step_stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
+            if steps == 0 and before_first_optimizer_step is not None:
+                before_first_optimizer_step()
+            optimizer.step()
+            steps += 1
+            for name in STAT_FIELDS:
+                totals[name] += step_stats[name]
+    mismatch = measure_mismatch([row.cpu() for row in old_rows], batch.rollout_logprobs)  # type: ignore[union-attr]
+    return UpdateResult(**{name: value / steps for name, value in totals.items()}, mismatch=mismatch,
+                        optimizer_steps=steps, micro_batches=passes)  # fmt: skip
+
+
+def _accumulate(
+    policy,
+    batch: UpdateBatch,
+    indices: list[int],
+    old_rows: list[torch.Tensor | None],
+    totals: BatchTotals,
+    loss_config: LossConfig,
+    temperature: float,
+) -> LossOutputs:
+    """Forward and backward of one micro-batch (samples INDICES), adding to the adapter's .grad.
+
+    Old log-probs not computed yet (the reuse case, see the module docstring) are this pass's.
+    """
+    pairs = [batch.pairs[i] for i in indices]
+    with policy.training():  # also through backward: checkpointed layers recompute in the same mode
+        rows = policy.completion_logprobs(pairs, temperature=temperature)
+        for i, row in zip(indices, rows, strict=True):
+            if old_rows[i] is None:
+                old_rows[i] = row.detach().clone()
+        device = rows[0].device  # the learner's; the rollout's and reference's rows arrive on the CPU
+
+        def padded(values: list[torch.Tensor]) -> torch.Tensor:
+            return pad([v.to(device) for v in values])
+
+        inputs = LossInputs(
+            logprobs=pad(rows),
+            old_logprobs=padded([old_rows[i] for i in indices]),  # type: ignore[misc]
+            rollout_logprobs=padded([batch.rollout_logprobs[i] for i in indices]),
+            advantages=batch.advantages[indices].to(device),
+            mask=padded([torch.ones(len(c)) for _, c in pairs]),
+            ref_logprobs=padded([batch.ref_logprobs[i] for i in indices]) if batch.ref_logprobs is not None else None,
+            totals=totals,
+        )
+        out = grpo_loss(inputs, loss_config)
+        out.loss.backward()
+    return out
