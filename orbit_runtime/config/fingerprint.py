@@ -1,9 +1,9 @@
 """A job config's identity for resume: the settings that change what training computes.
 
 Where checkpoints go, how often they are written, how evaluation and sync verification run,
-where metrics are served, what is logged and how many steps the run lasts do not change the
-computation of any step, so they are left out: a
-run can be resumed to train longer, or with checkpoints redirected. Everything else -
+where metrics are served, what is logged, where the learner and the rollout run and how
+they split their work (micro-batches, GPU settings), and how many steps the run lasts do
+not change the computation of any step, so they are left out: a run can be resumed to train longer, or with checkpoints redirected. Everything else -
 model, adapter, algorithm, data, rewards, rollout sampling, schedule - is in the hash.
 
 The base model is identified by its content digest (model.base_digest, see
@@ -21,7 +21,8 @@ from orbit_runtime.config.spec import JobSpec
 
 EXCLUDED = (
     "checkpoint", "eval", "metrics", "sync", "run.output_dir", "run.log_samples", "schedule.steps",
-    "rollout.max_restarts", "rollout.kv_cache_gib", "reference.max_restarts",
+    "rollout.max_restarts", "rollout.kv_cache_gib", "reference.max_restarts", "learner",
+    "rollout.gpu_memory_utilization", "rollout.tensor_parallel_size", "rollout.enable_prefix_caching", "rollout.max_num_seqs",
 )  # fmt: skip
 
 

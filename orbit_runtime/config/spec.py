@@ -13,6 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from orbit_runtime.config.adapter import AdapterSpec
+from orbit_runtime.config.learner import LearnerSpec
 from orbit_runtime.config.storage_uri import validate_storage_uri
 from orbit_runtime.errors import OrbitError
 
@@ -78,7 +79,14 @@ class AlgorithmSpec(Section):
     kl_clamp: float | None = Field(
         10.0, gt=0, description="Bound on the per-token k3 KL estimate (verl's low_var_kl uses 10); null disables it."
     )
-    epochs_per_batch: int = Field(1, ge=1, le=8, description="Optimizer passes over each rollout batch.")
+    epochs_per_batch: int = Field(1, ge=1, le=8, description="Passes over each rollout batch.")
+    minibatches: int = Field(
+        1,
+        ge=1,
+        description="Optimizer steps per pass: the rollout batch is split, in order, into this many minibatches (PPO "
+        "minibatches; each has its own loss normalisers). With more than one step per batch the ratios move off 1 "
+        "and clipping acts. Old log-probs are those of the policy before the batch's first step.",
+    )
 
 
 class SyntheticArithmeticData(Section):
@@ -142,6 +150,16 @@ class RolloutSpec(Section):
     kv_cache_gib: int = Field(1, ge=1, description="vLLM CPU KV cache (VLLM_CPU_KVCACHE_SPACE).")
     max_model_len: int = Field(512, ge=32)
     max_restarts: int = Field(2, ge=0, description="Times a dead rollout server is restarted before the run stops.")
+    # vLLM's GPU settings, passed as its flags; null leaves vLLM's own default
+    gpu_memory_utilization: float | None = Field(
+        None, gt=0, le=1, description="Share of each GPU's memory vLLM may take (weights + KV cache; vLLM's default 0.9). "
+        "Lower it when the learner shares the GPU. On vLLM's CPU build the KV cache is rollout.kv_cache_gib instead."
+    )
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs vLLM shards the model over.")
+    enable_prefix_caching: bool | None = Field(
+        None, description="Reuse the KV cache of shared prompt prefixes (a group's completions share their prompt)."
+    )
+    max_num_seqs: int | None = Field(None, ge=1, description="Most sequences vLLM schedules at once.")
 
     @field_validator("top_p")
     @classmethod
@@ -269,6 +287,7 @@ class JobSpec(Section):
 
     model: ModelSpec
     adapter: AdapterSpec = Field(default_factory=AdapterSpec)
+    learner: LearnerSpec = Field(default_factory=LearnerSpec)
     algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
     data: DataSpec = Field(default_factory=SyntheticArithmeticData)
     rewards: list[RewardSpec] = Field(default_factory=lambda: [RewardSpec(function="exact_match")], min_length=1)
@@ -280,6 +299,16 @@ class JobSpec(Section):
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     metrics: MetricsSpec = Field(default_factory=MetricsSpec)
     run: RunSpec = Field(default_factory=RunSpec)
+
+    @model_validator(mode="after")
+    def validate_minibatches(self) -> JobSpec:
+        samples = self.rollout.prompts_per_step * self.rollout.group_size
+        if self.algorithm.minibatches > samples:
+            raise ValueError(
+                f"algorithm.minibatches ({self.algorithm.minibatches}) exceeds the samples per step "
+                f"(rollout.prompts_per_step x rollout.group_size = {samples})"
+            )
+        return self
 
     def checkpoint_uri(self) -> str:
         """checkpoint.uri, or the run directory's checkpoints/ folder."""

@@ -43,6 +43,15 @@ LEARNER_STEP_DURATION = Histogram(
 LEARNER_PHASE_SECONDS = Gauge(
     "orbit_learner_phase_seconds", "Time the last step spent per phase.", ["phase"], registry=LEARNER_REGISTRY
 )
+LEARNER_STEP_PEAK_MEMORY = Gauge(
+    "orbit_learner_step_peak_memory_bytes",
+    "Peak memory of the learner during the last step: rss (process, CPU), cuda_allocated and cuda_reserved (its GPU).",
+    ["kind"],
+    registry=LEARNER_REGISTRY,
+)
+LEARNER_MICRO_BATCHES = Gauge(
+    "orbit_learner_micro_batches", "Forward/backward passes the last step's update took.", registry=LEARNER_REGISTRY
+)
 LEARNER_SAMPLES = Counter("orbit_learner_samples_total", "Completions trained on.", registry=LEARNER_REGISTRY)
 LEARNER_TOKENS = Counter("orbit_learner_tokens_total", "Completion tokens trained on.", registry=LEARNER_REGISTRY)
 LEARNER_REWARD_MEAN = Gauge("orbit_learner_reward_mean", "Mean reward of the last step's samples.", registry=LEARNER_REGISTRY)
@@ -191,6 +200,12 @@ def observe_step(record: dict, per_sample_rewards: list[float]) -> None:
     for phase in ("generate_s", "reward_s", "reference_s", "train_s", "sync_s"):
         if phase in record:
             LEARNER_PHASE_SECONDS.labels(phase.removesuffix("_s")).set(record[phase])
+    for kind, key in (("rss", "peak_rss_bytes"), ("cuda_allocated", "cuda_peak_allocated_bytes"),
+                      ("cuda_reserved", "cuda_peak_reserved_bytes")):  # fmt: skip
+        if key in record:
+            LEARNER_STEP_PEAK_MEMORY.labels(kind).set(record[key])
+    if "micro_batches" in record:
+        LEARNER_MICRO_BATCHES.set(record["micro_batches"])
     LEARNER_SAMPLES.inc(record["samples"])
     LEARNER_TOKENS.inc(record["tokens"])
     ROLLOUT_TOKENS.inc(record["tokens"])

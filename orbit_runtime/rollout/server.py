@@ -41,6 +41,11 @@ class VLLMServerConfig:
     max_model_len: int = 1024
     kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE on CPU
     seed: int = 0
+    # GPU settings; None leaves vLLM's default
+    gpu_memory_utilization: float | None = None
+    tensor_parallel_size: int = 1
+    enable_prefix_caching: bool | None = None
+    max_num_seqs: int | None = None
     extra_args: list[str] = field(default_factory=list)
     log_path: Path | None = None
 
@@ -68,8 +73,22 @@ class VLLMServerConfig:
             # and the policy that samples would no longer be the one the learner trains
             "--generation-config", "vllm",
             *(["--no-enable-chunked-prefill"] if is_cpu_build() else []),
+            *self.gpu_args(),
             *self.extra_args,
         ]  # fmt: skip
+
+    def gpu_args(self) -> list[str]:
+        """vLLM flags for the GPU settings that are set (rollout.gpu_memory_utilization, ...)."""
+        args = []
+        if self.gpu_memory_utilization is not None:
+            args += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
+        if self.tensor_parallel_size != 1:
+            args += ["--tensor-parallel-size", str(self.tensor_parallel_size)]
+        if self.enable_prefix_caching is not None:
+            args.append("--enable-prefix-caching" if self.enable_prefix_caching else "--no-enable-prefix-caching")
+        if self.max_num_seqs is not None:
+            args += ["--max-num-seqs", str(self.max_num_seqs)]
+        return args
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)

@@ -28,16 +28,17 @@ from orbit_runtime.algorithms.grpo import LossConfig
 from orbit_runtime.algorithms.lr_schedule import lr_multiplier
 from orbit_runtime.algorithms.update import UpdateResult, policy_update
 from orbit_runtime.config.fingerprint import config_hash, training_fields
-from orbit_runtime.config.precision import vllm_dtype
 from orbit_runtime.config.spec import JobSpec
 from orbit_runtime.data.datasets import load_splits
 from orbit_runtime.data.sampler import PromptSampler
 from orbit_runtime.int4.base_digest import read_base_digest
+from orbit_runtime.learner.device import resolve_device
+from orbit_runtime.learner.micro_batches import MicroBatchLimits
 from orbit_runtime.learner.model import load_policy
 from orbit_runtime.observability import metrics
+from orbit_runtime.observability.peak_memory import PeakMemory
 from orbit_runtime.observability.server import MetricsServer
 from orbit_runtime.rewards.scoring import RewardScorer
-from orbit_runtime.rollout.server import VLLMServerConfig
 from orbit_runtime.run_paths import RunPaths
 from orbit_runtime.sync.adapter_sync import prune_adapters, publish_adapter
 from orbit_runtime.trainer.batch import BatchBuilder, RolloutBatch, canary_pairs
@@ -45,7 +46,7 @@ from orbit_runtime.trainer.checkpoint_manager import CheckpointManager
 from orbit_runtime.trainer.checkpointing import TrainingState, capture_rng, checkpoint_score, restore_rng
 from orbit_runtime.trainer.evaluation import Evaluator
 from orbit_runtime.trainer.recorder import RunRecorder, RunState, sample_rows, step_row
-from orbit_runtime.trainer.roles import ReferenceRole, RolloutRole
+from orbit_runtime.trainer.roles import ReferenceRole, RolloutRole, rollout_server_config
 from orbit_runtime.trainer.rollback import StepSnapshot
 from orbit_runtime.trainer.stopping import StopController, Stopped
 
@@ -88,7 +89,11 @@ class Trainer:
         self.splits = load_splits(spec.data)
         self.sampler = PromptSampler(size=len(self.splits.train), seed=spec.schedule.seed)
         self.learner_dtype = spec.model.learner_dtype or spec.model.dtype
-        self.policy = load_policy(Path(spec.model.path), spec.adapter, dtype=self.learner_dtype)
+        self.device = resolve_device(spec.learner.device)
+        self.limits = MicroBatchLimits(spec.learner.micro_batch_tokens, spec.learner.micro_batch_size)
+        self.policy = load_policy(Path(spec.model.path), spec.adapter, dtype=self.learner_dtype, device=self.device)
+        self.policy.set_gradient_checkpointing(spec.learner.gradient_checkpointing)
+        self.peak_memory = PeakMemory(self.device)
         self.optimizer = torch.optim.AdamW(
             self.policy.trainable_parameters(), lr=spec.schedule.learning_rate, weight_decay=spec.schedule.weight_decay
         )
@@ -102,10 +107,10 @@ class Trainer:
         self.state = RunState()
         self.recorder = RunRecorder(self.paths, self.state, spec.run.name)
         self.stop = StopController()
-        self.rollout = RolloutRole(self._vllm_config(), canary_pairs(spec, self.tokenizer, self.splits.validation),
+        self.rollout = RolloutRole(rollout_server_config(spec, self.paths.logs / "vllm.log"), canary_pairs(spec, self.tokenizer, self.splits.validation),
                                    spec.canary_tolerance(), spec.sync.retries, spec.rollout.max_restarts)  # fmt: skip
         self.reference = ReferenceRole(spec.reference.mode, self.policy, Path(spec.model.path), self.learner_dtype,
-                                       self.paths.logs / "reference.log", spec.reference.max_restarts)  # fmt: skip
+                                       self.paths.logs / "reference.log", spec.reference.max_restarts, self.limits)  # fmt: skip
         self.builder = BatchBuilder(spec, self.tokenizer, RewardScorer(spec.rewards), self.rollout, self.reference)
         self.evaluator = Evaluator(spec, self.tokenizer, self.builder, self.rollout, self.splits.validation)
         self.metrics_server: MetricsServer | None = None
@@ -117,12 +122,6 @@ class Trainer:
         if removed:
             self.recorder.record({"kind": "checkpoint_cleanup", "removed_steps": removed})
             self._say(f"removed torn checkpoint(s) of step {', '.join(map(str, removed))} under {self.checkpoints.uri} (never completed)")
-
-    def _vllm_config(self) -> VLLMServerConfig:
-        spec = self.spec
-        return VLLMServerConfig(Path(spec.model.path), dtype=vllm_dtype(spec.model.dtype), max_lora_rank=spec.adapter.rank,
-                                max_model_len=spec.rollout.max_model_len, kv_cache_gib=spec.rollout.kv_cache_gib,
-                                seed=spec.schedule.seed, log_path=self.paths.logs / "vllm.log")  # fmt: skip
 
     # ---- checkpoints ---------------------------------------------------------------------
     def _restore(self) -> None:
@@ -236,6 +235,7 @@ class Trainer:
         timings: dict[str, float] = {}
         started = time.monotonic()
         state = self.state
+        self.peak_memory.reset()
         snapshot = StepSnapshot.capture(self.policy, self.optimizer, self.scheduler, self.sampler.state_dict())
         counters = (state.step, state.adapter_version, state.reward_errors, len(state.rows))
         updated = False
@@ -251,8 +251,8 @@ class Trainer:
             t = time.monotonic()
             update = policy_update(self.policy, self.optimizer, batch.for_update(), self.loss_config,
                                    temperature=self.spec.rollout.temperature, max_grad_norm=self.spec.schedule.max_grad_norm,
-                                   epochs=self.spec.algorithm.epochs_per_batch,
-                                   before_first_optimizer_step=before_optimizer_step)  # fmt: skip
+                                   epochs=self.spec.algorithm.epochs_per_batch, minibatches=self.spec.algorithm.minibatches,
+                                   limits=self.limits, before_first_optimizer_step=before_optimizer_step)  # fmt: skip
             lr = self.scheduler.get_last_lr()[0]
             self.scheduler.step()  # once per RL step (see ScheduleSpec)
             timings["train_s"] = time.monotonic() - t
@@ -284,7 +284,8 @@ class Trainer:
         self.recorder.record_samples(sample_rows(state.step, batch, self.spec.rollout.group_size, self.spec.run.log_samples))
         restarts = {"rollout_restarts": self.rollout.restarts, "reference_restarts": self.reference.restarts}
         row = self.recorder.record(step_row(state.step, version, batch, update, sync, lr=lr, adapter_bytes=size, timings=timings,
-                                            step_seconds=time.monotonic() - started, restarts=restarts))  # fmt: skip
+                                            step_seconds=time.monotonic() - started, restarts=restarts,
+                                            memory=self.peak_memory.read()))  # fmt: skip
         metrics.LEARNER_ADAPTER_VERSION.set(version)
         metrics.SYNC_ROLLOUT_VERSION.set(version)
         metrics.observe_step(row, batch.rewards.total)

@@ -59,8 +59,9 @@ def sample_rows(step: int, batch: RolloutBatch, group_size: int, limit: int) -> 
 
 
 def step_row(step: int, adapter_version: int, batch: RolloutBatch, update: UpdateResult, sync: SyncResult, *, lr: float,
-             adapter_bytes: int, timings: dict[str, float], step_seconds: float, restarts: dict[str, int]) -> dict:  # fmt: skip
-    """The metrics.jsonl row of one committed step."""
+             adapter_bytes: int, timings: dict[str, float], step_seconds: float, restarts: dict[str, int],
+             memory: dict[str, int]) -> dict:  # fmt: skip
+    """The metrics.jsonl row of one committed step (MEMORY: the step's peaks, see observability.peak_memory)."""
     rewards = batch.rewards.total
     mean = sum(rewards) / len(rewards)
     mismatch = update.mismatch
@@ -72,6 +73,7 @@ def step_row(step: int, adapter_version: int, batch: RolloutBatch, update: Updat
         "clip_fraction": update.clip_fraction, "dual_clip_fraction": update.dual_clip_fraction,
         "is_weight_mean": update.is_weight_mean, "mis_rejected_fraction": update.mis_rejected_fraction,
         "grad_norm": update.grad_norm, "learning_rate": lr, "optimizer_steps": update.optimizer_steps,
+        "micro_batches": update.micro_batches, **memory,
         "mismatch_mean_abs": mismatch.mean_abs_dlogp, "mismatch_max_abs": mismatch.max_abs_dlogp,
         "mismatch_k3_kl": mismatch.k3_kl,
         "samples": len(batch.completions), "tokens": batch.tokens, "prompt_indices": batch.indices,

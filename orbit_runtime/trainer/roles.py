@@ -18,6 +18,9 @@ from typing import TypeVar
 import httpx
 import torch
 
+from orbit_runtime.config.precision import vllm_dtype
+from orbit_runtime.config.spec import JobSpec
+from orbit_runtime.learner.micro_batches import NO_LIMITS, MicroBatchLimits, logprobs_in_micro_batches
 from orbit_runtime.observability import metrics
 from orbit_runtime.processes import ManagedServer
 from orbit_runtime.reference.client import ReferenceClient, ReferenceServer
@@ -27,6 +30,16 @@ from orbit_runtime.sync.adapter_sync import AdapterSync, Canary, SyncResult, can
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+def rollout_server_config(spec: JobSpec, log_path: Path) -> VLLMServerConfig:
+    """How the job's vLLM server is started: model, dtype, LoRA rank, lengths and the GPU settings."""
+    rollout = spec.rollout
+    return VLLMServerConfig(Path(spec.model.path), dtype=vllm_dtype(spec.model.dtype), max_lora_rank=spec.adapter.rank,
+                            max_model_len=rollout.max_model_len, kv_cache_gib=rollout.kv_cache_gib, seed=spec.schedule.seed,
+                            log_path=log_path, gpu_memory_utilization=rollout.gpu_memory_utilization,
+                            tensor_parallel_size=rollout.tensor_parallel_size,
+                            enable_prefix_caching=rollout.enable_prefix_caching, max_num_seqs=rollout.max_num_seqs)  # fmt: skip
 
 
 class RoleDied(RuntimeError):
@@ -150,17 +163,19 @@ class ReferenceRole(SupervisedRole):
 
     role = "reference"
 
-    def __init__(self, mode: str, policy, model_dir: Path, dtype: str, log_path: Path, max_restarts: int) -> None:
+    def __init__(self, mode: str, policy, model_dir: Path, dtype: str, log_path: Path, max_restarts: int,
+                 limits: MicroBatchLimits = NO_LIMITS) -> None:  # fmt: skip
         super().__init__(max_restarts, metrics.REFERENCE_RESTARTS)
         self.mode = mode
         self.policy = policy
+        self.limits = limits  # shared mode scores in the learner's micro-batches, on its device
         self.model_dir, self.dtype, self.log_path = model_dir, dtype, log_path
         self.client: ReferenceClient | None = None
 
     def start(self) -> None:
         if self.mode != "server":
             return
-        self.server = ReferenceServer(self.model_dir, self.dtype, self.log_path).start()
+        self.server = ReferenceServer(self.model_dir, self.dtype, self.log_path, self.limits.max_tokens).start()
         self.client = ReferenceClient(self.server.base_url)
 
     def stop(self) -> None:
@@ -173,5 +188,6 @@ class ReferenceRole(SupervisedRole):
         """Per-token reference log-probs of each completion at the sampling TEMPERATURE."""
         if self.mode != "server":
             with self.policy.scoring(), self.policy.adapter_disabled():
-                return [t.float() for t in self.policy.completion_logprobs(pairs, temperature=temperature)]
+                rows = logprobs_in_micro_batches(self.policy, pairs, self.limits, temperature)
+            return [row.float().cpu() for row in rows]
         return self.supervised(lambda: self.client.logprobs(pairs, temperature))

@@ -27,7 +27,9 @@ def vllm_server(int4_dir, tmp_path_factory):
     shutil.copytree(int4_dir, served)
     generation = json.loads((served / "generation_config.json").read_text())
     (served / "generation_config.json").write_text(json.dumps({**generation, **INSTRUCT_SAMPLING_DEFAULTS}))
-    config = VLLMServerConfig(served, dtype="float16", max_lora_rank=RANK, log_path=log)
+    # prefix caching and max_num_seqs at vLLM's CPU defaults: the flags Orbit passes are accepted by the real server
+    config = VLLMServerConfig(served, dtype="float16", max_lora_rank=RANK, log_path=log, enable_prefix_caching=True,
+                              max_num_seqs=128)  # fmt: skip
     with VLLMServer(config) as server:
         yield server
 

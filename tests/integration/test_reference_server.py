@@ -4,6 +4,7 @@ what the learner computes with its adapter disabled."""
 import torch
 
 from orbit_runtime.config import AdapterSpec
+from orbit_runtime.learner.micro_batches import MicroBatchLimits
 from orbit_runtime.learner.model import load_policy
 from orbit_runtime.reference.client import ReferenceClient, ReferenceServer
 from orbit_runtime.trainer.roles import ReferenceRole
@@ -13,9 +14,15 @@ def test_reference_server_matches_learner_with_adapter_disabled(int4_dir, tmp_pa
     policy = load_policy(int4_dir, AdapterSpec(rank=8), dtype="fp32")
     policy.init_adapter_randomly(std=0.05, seed=0)  # must not leak into the reference
     pairs = [([97, 86, 84, 70], [18, 19, 12]), ([97, 66], [20, 21, 22, 23, 24])]
-    shared_role = ReferenceRole("shared", policy, int4_dir, "fp32", tmp_path / "unused.log", max_restarts=0)
+    # both score in micro-batches of one sequence here (8 padded tokens): the results must not change
+    shared_role = ReferenceRole("shared", policy, int4_dir, "fp32", tmp_path / "unused.log", max_restarts=0,
+                                limits=MicroBatchLimits(max_tokens=8))  # fmt: skip
     shared, shared_cold = shared_role.logprobs(pairs, 1.0), shared_role.logprobs(pairs, 0.7)
-    with ReferenceServer(int4_dir, "fp32", log_path=tmp_path / "ref.log") as server:
+    with policy.scoring(), policy.adapter_disabled():
+        one_batch = policy.completion_logprobs(pairs)
+    for a, b in zip(shared, one_batch, strict=True):
+        assert torch.allclose(a, b, atol=1e-5)
+    with ReferenceServer(int4_dir, "fp32", log_path=tmp_path / "ref.log", micro_batch_tokens=8) as server:
         client = ReferenceClient(server.base_url)
         remote, remote_cold = client.logprobs(pairs), client.logprobs(pairs, temperature=0.7)
         bad = client._http.post("/v1/logprobs", json={"sequences": [{"prompt_ids": [1], "completion_ids": [10**6]}]})

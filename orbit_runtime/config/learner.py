@@ -1,0 +1,40 @@
+"""Where and how the learner computes: device, gradient checkpointing, micro-batches.
+
+None of these settings changes what a step computes (micro-batched gradients equal one big
+batch's up to float rounding), so they are left out of the resume fingerprint: a run can be
+resumed on a GPU, or with a smaller token budget after running out of memory.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class LearnerSpec(BaseModel):
+    """The learner's placement and memory settings (the rollout's are in RolloutSpec)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto",
+        description="auto: the first CUDA device if torch sees one, else the CPU. cuda fails at start when there is "
+        "no GPU. The shared reference (reference.mode: shared) runs where the learner runs.",
+    )
+    gradient_checkpointing: bool = Field(
+        True,
+        description="Recompute each decoder layer's activations in backward instead of keeping them (as verl and TRL "
+        "do by default): activation memory, not the INT4 base, dominates at RL lengths. Costs about one extra forward.",
+    )
+    micro_batch_tokens: int | None = Field(
+        16384,
+        ge=1,
+        description="Most padded tokens (sequences x longest prompt+completion) one forward/backward holds. Samples "
+        "are length-bucketed into micro-batches under this budget and their gradients accumulated; loss normalisers "
+        "are global, so the update equals one big batch's. A longer single sequence gets a micro-batch of its own. "
+        "null: no token limit.",
+    )
+    micro_batch_size: int | None = Field(
+        None, ge=1, description="Most sequences per micro-batch (null: no limit besides micro_batch_tokens)."
+    )
