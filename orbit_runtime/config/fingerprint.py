@@ -3,8 +3,9 @@
 Where checkpoints go, how often they are written, how evaluation and sync verification run,
 where metrics are served, what is logged, where the learner and the rollout run and how
 they split their work (micro-batches, GPU settings), and how many steps the run lasts do
-not change the computation of any step, so they are left out: a run can be resumed to train longer, or with checkpoints redirected. Everything else -
-model, adapter, algorithm, data, rewards, rollout sampling, schedule - is in the hash.
+not change the computation of any step, so they are left out: a run can be resumed to
+train longer, on another device, or with checkpoints redirected. Everything else - model,
+adapter, algorithm, data, rewards, rollout sampling, schedule - is in the hash.
 
 The base model is identified by its content digest (model.base_digest, see
 int4/base_digest.py), not by its path: a base moved elsewhere is the same base, and a

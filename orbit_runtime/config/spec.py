@@ -152,8 +152,9 @@ class RolloutSpec(Section):
     max_restarts: int = Field(2, ge=0, description="Times a dead rollout server is restarted before the run stops.")
     # vLLM's GPU settings, passed as its flags; null leaves vLLM's own default
     gpu_memory_utilization: float | None = Field(
-        None, gt=0, le=1, description="Share of each GPU's memory vLLM may take (weights + KV cache; vLLM's default 0.9). "
-        "Lower it when the learner shares the GPU. On vLLM's CPU build the KV cache is rollout.kv_cache_gib instead."
+        None, gt=0, le=1, description="Share of each GPU's memory vLLM may take (weights + KV cache). Default: vLLM's "
+        "0.9, or 0.5 when the learner runs on CUDA too (they share the GPU). On vLLM's CPU build the KV cache is "
+        "rollout.kv_cache_gib instead."
     )
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs vLLM shards the model over.")
     enable_prefix_caching: bool | None = Field(

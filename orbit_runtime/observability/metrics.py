@@ -170,7 +170,8 @@ class ResourceCollector:
             return
         if torch.cuda.is_available():
             used = GaugeMetricFamily("orbit_gpu_memory_allocated_bytes", "GPU memory held by tensors.", labels=["role", "device"])
-            peak = GaugeMetricFamily("orbit_gpu_memory_peak_bytes", "Peak GPU memory held by tensors.", labels=["role", "device"])
+            peak = GaugeMetricFamily("orbit_gpu_memory_peak_bytes", "Peak GPU memory held by tensors (the learner "
+                                     "resets it at each step's start: its peak within the current step).", labels=["role", "device"])  # fmt: skip
             for i in range(torch.cuda.device_count()):
                 used.add_metric([self.role, str(i)], torch.cuda.memory_allocated(i))
                 peak.add_metric([self.role, str(i)], torch.cuda.max_memory_allocated(i))

@@ -33,10 +33,10 @@ class ReferenceServer(ManagedServer):
     name = "reference server"
 
     def __init__(self, model_dir: Path, dtype: str, log_path: Path, micro_batch_tokens: int | None = None,
-                 host: str = "127.0.0.1") -> None:  # fmt: skip
+                 device: str = "cpu", host: str = "127.0.0.1") -> None:  # fmt: skip
         port = free_port(host)
         command = [sys.executable, "-m", "orbit_runtime.reference.server", "--model-dir", str(model_dir),
-                   "--dtype", dtype, "--host", host, "--port", str(port)]  # fmt: skip
+                   "--dtype", dtype, "--host", host, "--port", str(port), "--device", device]  # fmt: skip
         if micro_batch_tokens is not None:
             command += ["--micro-batch-tokens", str(micro_batch_tokens)]
         super().__init__(command, port=port, host=host, env=dict(os.environ), log_path=log_path)

@@ -10,8 +10,9 @@ Trainer does the I/O around them.
 from __future__ import annotations
 
 import json
+import logging
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -21,6 +22,8 @@ from orbit_runtime.checkpoint.catalog import CheckpointCatalog, CheckpointEntry,
 from orbit_runtime.checkpoint.storage import open_store
 from orbit_runtime.config.fingerprint import describe_differences
 from orbit_runtime.errors import OrbitError
+
+log = logging.getLogger(__name__)
 
 ADAPTER = "adapter"
 TRAINER_STATE = "trainer_state.pt"
@@ -55,6 +58,7 @@ class TrainingState:
     torch_rng: torch.Tensor
     python_rng: tuple
     metrics: list[dict]  # every row of metrics.jsonl so far (steps, evals, checkpoints)
+    cuda_rng: list[torch.Tensor] = field(default_factory=list)  # one per CUDA device; empty on CPU
 
 
 def write_checkpoint_files(dest: Path, policy, state: TrainingState) -> None:
@@ -68,6 +72,7 @@ def write_checkpoint_files(dest: Path, policy, state: TrainingState) -> None:
             "scheduler": state.scheduler,
             "torch_rng": state.torch_rng,
             "python_rng": state.python_rng,
+            "cuda_rng": state.cuda_rng,
         },
         dest / TRAINER_STATE,
     )
@@ -88,7 +93,7 @@ def read_checkpoint_files(src: Path) -> TrainingState:
     """The TrainingState stored in SRC (the adapter stays in SRC/adapter for the policy to load)."""
     src = Path(src)
     scalars = json.loads((src / STATE).read_text())
-    tensors = torch.load(src / TRAINER_STATE, weights_only=True)
+    tensors = torch.load(src / TRAINER_STATE, weights_only=True, map_location="cpu")  # written on a GPU, read anywhere
     metrics = [json.loads(line) for line in (src / METRICS).read_text().splitlines() if line.strip()]
     python_rng = tensors["python_rng"]
     return TrainingState(
@@ -98,6 +103,7 @@ def read_checkpoint_files(src: Path) -> TrainingState:
         torch_rng=tensors["torch_rng"],
         python_rng=(python_rng[0], tuple(python_rng[1]), python_rng[2]),
         metrics=metrics,
+        cuda_rng=list(tensors.get("cuda_rng", [])),
     )
 
 
@@ -108,6 +114,24 @@ def capture_rng() -> tuple[torch.Tensor, tuple]:
 def restore_rng(torch_rng: torch.Tensor, python_rng: tuple) -> None:
     torch.set_rng_state(torch_rng)
     random.setstate(python_rng)
+
+
+def capture_cuda_rng() -> list[torch.Tensor]:
+    """Each CUDA device's generator state (GPU dropout masks); empty without CUDA."""
+    return torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+
+
+def restore_cuda_rng(states: list[torch.Tensor]) -> None:
+    """Put CUDA generator states back when this machine has the same devices; otherwise (a
+    checkpoint from another machine, or a CPU one) GPU dropout masks will differ, which is logged."""
+    if not states or not torch.cuda.is_available():
+        if states:
+            log.warning("checkpoint has CUDA RNG states but torch sees no GPU: GPU random streams are not restored")
+        return
+    if len(states) != torch.cuda.device_count():
+        log.warning("checkpoint has %d CUDA RNG states, this machine %d GPUs: not restored", len(states), torch.cuda.device_count())
+        return
+    torch.cuda.set_rng_state_all(states)
 
 
 def checkpoint_score(best_metric: str, steps_since_last: list[dict], last_eval: dict | None) -> float | None:

@@ -43,7 +43,14 @@ from orbit_runtime.run_paths import RunPaths
 from orbit_runtime.sync.adapter_sync import prune_adapters, publish_adapter
 from orbit_runtime.trainer.batch import BatchBuilder, RolloutBatch, canary_pairs
 from orbit_runtime.trainer.checkpoint_manager import CheckpointManager
-from orbit_runtime.trainer.checkpointing import TrainingState, capture_rng, checkpoint_score, restore_rng
+from orbit_runtime.trainer.checkpointing import (
+    TrainingState,
+    capture_cuda_rng,
+    capture_rng,
+    checkpoint_score,
+    restore_cuda_rng,
+    restore_rng,
+)
 from orbit_runtime.trainer.evaluation import Evaluator
 from orbit_runtime.trainer.recorder import RunRecorder, RunState, sample_rows, step_row
 from orbit_runtime.trainer.roles import ReferenceRole, RolloutRole, rollout_server_config
@@ -107,7 +114,7 @@ class Trainer:
         self.state = RunState()
         self.recorder = RunRecorder(self.paths, self.state, spec.run.name)
         self.stop = StopController()
-        self.rollout = RolloutRole(rollout_server_config(spec, self.paths.logs / "vllm.log"), canary_pairs(spec, self.tokenizer, self.splits.validation),
+        self.rollout = RolloutRole(rollout_server_config(spec, self.paths.logs / "vllm.log", self.device), canary_pairs(spec, self.tokenizer, self.splits.validation),
                                    spec.canary_tolerance(), spec.sync.retries, spec.rollout.max_restarts)  # fmt: skip
         self.reference = ReferenceRole(spec.reference.mode, self.policy, Path(spec.model.path), self.learner_dtype,
                                        self.paths.logs / "reference.log", spec.reference.max_restarts, self.limits)  # fmt: skip
@@ -133,6 +140,7 @@ class Trainer:
             return
         self.sampler = PromptSampler.from_state(saved.sampler)
         restore_rng(saved.torch_rng, saved.python_rng)
+        restore_cuda_rng(saved.cuda_rng)
         state = self.state
         state.step, state.adapter_version = saved.step, saved.adapter_version
         state.elapsed_before, state.reward_errors = saved.elapsed_seconds, saved.reward_errors
@@ -151,7 +159,7 @@ class Trainer:
             elapsed_seconds=state.wall_seconds, reward_errors=state.reward_errors,
             config_hash=self.config_hash, config_fields=self.config_fields,
             optimizer=self.optimizer.state_dict(), scheduler=self.scheduler.state_dict(),
-            torch_rng=torch_rng, python_rng=python_rng, metrics=list(state.rows),
+            torch_rng=torch_rng, python_rng=python_rng, metrics=list(state.rows), cuda_rng=capture_cuda_rng(),
         )  # fmt: skip
 
     def checkpoint(self) -> None:

@@ -32,12 +32,23 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def rollout_server_config(spec: JobSpec, log_path: Path) -> VLLMServerConfig:
-    """How the job's vLLM server is started: model, dtype, LoRA rank, lengths and the GPU settings."""
+SHARED_GPU_MEMORY_UTILIZATION = 0.5  # vLLM's share of a GPU the learner also uses, unless the spec says otherwise
+
+
+def rollout_server_config(spec: JobSpec, log_path: Path, learner_device: torch.device | None = None) -> VLLMServerConfig:
+    """How the job's vLLM server is started: model, dtype, LoRA rank, lengths and the GPU settings.
+
+    With the learner on CUDA and rollout.gpu_memory_utilization unset, vLLM gets
+    SHARED_GPU_MEMORY_UTILIZATION instead of its 0.9: it would otherwise claim the GPU the
+    learner needs for activations.
+    """
     rollout = spec.rollout
+    utilization = rollout.gpu_memory_utilization
+    if utilization is None and learner_device is not None and learner_device.type == "cuda":
+        utilization = SHARED_GPU_MEMORY_UTILIZATION
     return VLLMServerConfig(Path(spec.model.path), dtype=vllm_dtype(spec.model.dtype), max_lora_rank=spec.adapter.rank,
                             max_model_len=rollout.max_model_len, kv_cache_gib=rollout.kv_cache_gib, seed=spec.schedule.seed,
-                            log_path=log_path, gpu_memory_utilization=rollout.gpu_memory_utilization,
+                            log_path=log_path, gpu_memory_utilization=utilization,
                             tensor_parallel_size=rollout.tensor_parallel_size,
                             enable_prefix_caching=rollout.enable_prefix_caching, max_num_seqs=rollout.max_num_seqs)  # fmt: skip
 
@@ -175,7 +186,8 @@ class ReferenceRole(SupervisedRole):
     def start(self) -> None:
         if self.mode != "server":
             return
-        self.server = ReferenceServer(self.model_dir, self.dtype, self.log_path, self.limits.max_tokens).start()
+        device = self.policy.device.type  # the reference server runs where the learner runs
+        self.server = ReferenceServer(self.model_dir, self.dtype, self.log_path, self.limits.max_tokens, device).start()
         self.client = ReferenceClient(self.server.base_url)
 
     def stop(self) -> None:

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from orbit_runtime.trainer.checkpointing import capture_cuda_rng, restore_cuda_rng
+
 
 @dataclass
 class StepSnapshot:
@@ -36,7 +38,7 @@ class StepSnapshot:
             scheduler=copy.deepcopy(scheduler.state_dict()),
             sampler=sampler_state,
             torch_rng=torch.get_rng_state(),
-            cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            cuda_rng=capture_cuda_rng(),
             python_rng=random.getstate(),
         )
 
@@ -46,7 +48,6 @@ class StepSnapshot:
         optimizer.load_state_dict(self.optimizer)
         scheduler.load_state_dict(self.scheduler)
         torch.set_rng_state(self.torch_rng)
-        if self.cuda_rng:
-            torch.cuda.set_rng_state_all(self.cuda_rng)
+        restore_cuda_rng(self.cuda_rng)
         random.setstate(self.python_rng)
         return self.sampler

@@ -51,11 +51,22 @@ def test_rollout_gpu_settings_become_vllm_flags(tmp_path):
     for expected in ("--gpu-memory-utilization 0.6", "--tensor-parallel-size 2", "--no-enable-prefix-caching",
                      "--max-num-seqs 64", "--max-model-len 2048"):  # fmt: skip
         assert expected in flags
+    # the learner on the same GPU: vLLM does not get its default 90%, unless the spec says so
+    shared = rollout_server_config(parse_job_spec(BASE), tmp_path / "vllm.log", torch.device("cuda", 0)).command(port=8000)
+    assert "--gpu-memory-utilization 0.5" in " ".join(shared)
+    assert "--gpu-memory-utilization 0.6" in " ".join(rollout_server_config(spec, tmp_path / "v.log", torch.device("cuda", 0)).command(8000))
     defaults = " ".join(rollout_server_config(parse_job_spec(BASE), tmp_path / "vllm.log").command(port=8000))
     for unset in ("--gpu-memory-utilization", "--tensor-parallel-size", "prefix-caching", "--max-num-seqs"):
         assert unset not in defaults  # vLLM's own defaults apply
 
 
+def _clear_refs_writable() -> bool:
+    import os
+
+    return os.access("/proc/self/clear_refs", os.W_OK)
+
+
+@pytest.mark.skipif(not _clear_refs_writable(), reason="needs Linux /proc/self/clear_refs (the CI machine has it)")
 def test_peak_memory_is_per_step():
     tracker = PeakMemory(torch.device("cpu"))
     tracker.reset()

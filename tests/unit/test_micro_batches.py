@@ -1,6 +1,8 @@
 """Micro-batches and PPO minibatches: the plan, and updates that equal their one-batch
 references (fp32, a tiny INT4 policy)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -76,6 +78,7 @@ CONFIGS = {
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_micro_batched_loss_and_gradients_equal_one_batch(int4_dir, name):
+    """One optimizer step per batch: the first pass's log-probs are the old ones (ratio 1)."""
     config = CONFIGS[name]
     policy = _policy(int4_dir)
     batch = _batch(policy, with_ref=config.kl_beta > 0)
@@ -86,7 +89,8 @@ def test_micro_batched_loss_and_gradients_equal_one_batch(int4_dir, name):
         grads.append(_grads(policy))
     assert [r.micro_batches for r in results] == [1, 6, 3]
     for result, grad in zip(results[1:], grads[1:], strict=True):
-        for field in ("loss", "policy_loss", "kl", "clip_fraction", "is_weight_mean", "mis_rejected_fraction", "grad_norm"):
+        for field in ("loss", "policy_loss", "kl", "clip_fraction", "is_weight_mean", "mis_rejected_fraction",
+                      "dual_clip_fraction", "grad_norm"):  # fmt: skip
             assert getattr(result, field) == pytest.approx(getattr(results[0], field), rel=1e-5, abs=1e-7), field
         assert result.mismatch.mean_abs_dlogp == pytest.approx(results[0].mismatch.mean_abs_dlogp, rel=1e-5)
         for key in grad:  # fp32 rounding of differently shaped sums, relative to the tensor's scale
@@ -94,6 +98,30 @@ def test_micro_batched_loss_and_gradients_equal_one_batch(int4_dir, name):
     assert results[0].grad_norm > 0 and abs(results[0].loss) > 0
     if config.correction == "mis":
         assert results[0].mis_rejected_fraction > 0  # the case where denominators matter most
+
+
+@pytest.mark.parametrize("name", ["token_mean", "sequence_level_mis_kl", "token_sum_norm"])
+def test_micro_batched_minibatch_steps_equal_one_batch_per_minibatch(int4_dir, name):
+    """Two minibatches: the second step's ratios are off 1 (clipping and dual clip can act) and
+    old log-probs come from a separate scoring pass; micro-batching still changes nothing."""
+    config = dataclasses.replace(CONFIGS[name], clip_low=0.02, clip_high=0.02, dual_clip=1.05)  # tight: they act
+    policy = _policy(int4_dir)
+    start = policy.adapter_state()
+    batch = _batch(policy, with_ref=config.kl_beta > 0)
+    results, adapters = [], []
+    for limits in (MicroBatchLimits(), MicroBatchLimits(max_samples=1), MicroBatchLimits(max_tokens=24)):
+        policy.load_adapter_state(start)
+        optimizer = torch.optim.SGD(policy.trainable_parameters(), lr=20.0)
+        results.append(policy_update(policy, optimizer, batch, config, temperature=1.0, max_grad_norm=1e9, minibatches=2,
+                                     limits=limits))  # fmt: skip
+        adapters.append(policy.adapter_state())
+    assert results[0].clip_fraction > 0  # the second step clipped: the comparison covers the clipped branch
+    for result, adapter in zip(results[1:], adapters[1:], strict=True):
+        for field in ("loss", "policy_loss", "kl", "clip_fraction", "dual_clip_fraction", "mis_rejected_fraction"):
+            assert getattr(result, field) == pytest.approx(getattr(results[0], field), rel=1e-4, abs=1e-6), field
+        for key in adapter:  # the updates agree to fp32 rounding (relative norm; large steps amplify it a little)
+            update, reference = adapter[key] - start[key], adapters[0][key] - start[key]
+            assert float((update - reference).norm() / reference.norm()) < 1e-3, key
 
 
 def test_scoring_in_micro_batches_equals_one_batch(int4_dir):
@@ -124,34 +152,45 @@ def _reference_minibatch_update(policy, batch, config, chunks, epochs, lr):
     return policy.adapter_state()
 
 
-@pytest.mark.parametrize("epochs", [1, 2])
-def test_minibatched_update_equals_its_reference(int4_dir, epochs):
-    config = CONFIGS["token_mean"]
+@pytest.mark.parametrize(
+    ("name", "minibatches", "epochs"),
+    [("token_mean", 3, 1), ("token_mean", 3, 2), ("sequence_mean", 1, 2), ("token_sum_norm", 2, 2)],
+)
+def test_minibatched_update_equals_its_reference(int4_dir, name, minibatches, epochs):
+    config = CONFIGS[name]
     policy = _policy(int4_dir)
     start = policy.adapter_state()
     batch = _batch(policy)
-    expected = _reference_minibatch_update(policy, batch, config, [[0, 1], [2, 3], [4, 5]], epochs, lr=0.5)
+    chunks = split_minibatches(len(PAIRS), minibatches)
+    expected = _reference_minibatch_update(policy, batch, config, chunks, epochs, lr=0.5)
     policy.load_adapter_state(start)
     optimizer = torch.optim.SGD(policy.trainable_parameters(), lr=0.5)
     result = policy_update(policy, optimizer, batch, config, temperature=1.0, max_grad_norm=1.0, epochs=epochs,
-                           minibatches=3, limits=MicroBatchLimits(max_samples=1))  # fmt: skip
-    assert result.optimizer_steps == 3 * epochs and result.micro_batches == 6 * epochs
+                           minibatches=minibatches, limits=MicroBatchLimits(max_samples=1))  # fmt: skip
+    assert result.optimizer_steps == minibatches * epochs and result.micro_batches == 6 * epochs
     got = policy.adapter_state()
     for key in expected:
         torch.testing.assert_close(got[key], expected[key], rtol=1e-5, atol=1e-6)
     assert max(float((got[k] - start[k]).abs().max()) for k in start) > 1e-3  # the adapter moved, by more than the tolerance
 
 
-def test_clipping_acts_only_once_the_policy_moved_within_a_batch(int4_dir):
+@pytest.mark.parametrize(
+    ("clip_low", "clip_high", "clips"),
+    [(0.9, 0.01, True), (0.9, 10.0, False)],  # the upper bound (clip-higher) is what acts: ratios above 1 + clip_high
+)
+def test_clip_higher_engages_once_the_policy_moved_within_a_batch(int4_dir, clip_low, clip_high, clips):
     policy = _policy(int4_dir)
     start = policy.adapter_state()
     batch = _batch(policy)
-    config = LossConfig(correction="none", clip_low=0.05, clip_high=0.05, dual_clip=None)
+    config = LossConfig(correction="none", clip_low=clip_low, clip_high=clip_high, dual_clip=None)
     fractions = {}
     for minibatches in (1, 3):
         policy.load_adapter_state(start)
         optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=0.2)
         result = policy_update(policy, optimizer, batch, config, temperature=1.0, max_grad_norm=10.0, minibatches=minibatches)
         fractions[minibatches] = result.clip_fraction
-    assert fractions[1] == 0.0  # one step per batch: every ratio is exactly 1
-    assert fractions[3] > 0.05  # later minibatches see a moved policy: clipping engages
+    assert fractions[1] == 0.0  # one optimizer step per batch: every ratio is 1, nothing to clip
+    if clips:
+        assert fractions[3] > 0.05  # later minibatches see the moved policy: ratios leave [1 - 0.9, 1 + 0.01]
+    else:
+        assert fractions[3] == 0.0  # same updates, but the ratios stay below 1 + 10: the upper bound decided above
