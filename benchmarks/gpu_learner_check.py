@@ -1,12 +1,16 @@
 """Self-checking GPU run of the INT4 learner (not run by CI; needs CUDA for the real check).
 
 Builds a random ~1B-parameter Qwen2-shape model, quantizes it with `orbit quantize`'s code,
-loads the packed learner with LoRA on the GPU, runs forward + backward + AdamW steps, and
-reports peak GPU memory, step time and log-prob agreement with a CPU fp32 reference that
-holds the dequantized INT4 weights densely. Exits non-zero if a check fails.
+loads the packed learner with LoRA on the GPU and runs `orbit train`'s update
+(`policy_update`: micro-batches under learner.micro_batch_tokens, gradient checkpointing,
+GRPO loss, AdamW) on an RL-length batch (8 prompts x 8 completions x 1,024 tokens by
+default). Reports peak GPU memory (allocated and reserved), step time, and log-prob agreement
+with a CPU fp32 reference that holds the dequantized INT4 weights densely. Exits non-zero
+if a check fails.
 
     python benchmarks/gpu_learner_check.py --json gpu-check.json           # on a CUDA machine
-    python benchmarks/gpu_learner_check.py --device cpu --layers 2 --hidden 256 --intermediate 512  # smoke test
+    python benchmarks/gpu_learner_check.py --device cpu --layers 2 --hidden 256 --intermediate 512 \
+        --prompts 2 --group 2 --completion-tokens 64  # smoke test
 """
 
 from __future__ import annotations
@@ -41,18 +45,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--intermediate", type=int, default=5632)
     parser.add_argument("--layers", type=int, default=20)
     parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--group", type=int, default=8)
+    parser.add_argument("--completion-tokens", type=int, default=1024)
+    parser.add_argument("--micro-batch-tokens", type=int, default=16384, help="learner.micro_batch_tokens")
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args(argv)
 
     import torch
+    from learner_scale import make_batch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    from orbit_runtime.algorithms.grpo import LossConfig
+    from orbit_runtime.algorithms.update import policy_update
     from orbit_runtime.config import AdapterSpec
     from orbit_runtime.int4.quantize import quantize_checkpoint
     from orbit_runtime.int4.schemes import W4A16Int
+    from orbit_runtime.learner.micro_batches import MicroBatchLimits
     from orbit_runtime.learner.model import load_policy
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -82,25 +92,31 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.reset_peak_memory_stats()
         policy = load_policy(int4_dir, adapter, dtype="bf16", device=args.device)
         policy.init_adapter_randomly(std=0.02, seed=0)
+        policy.set_gradient_checkpointing(True)
         result["base_memory"] = vars(policy.base_memory())
         if cuda:
             result["gpu_bytes_after_load"] = torch.cuda.memory_allocated()
         optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=1e-4)
-        ids = torch.randint(0, args.vocab, (args.batch, args.seq_len), device=args.device)
-        step_times = []
+        batch = make_batch(args.prompts, args.group, args.completion_tokens, args.vocab, seed=0)
+        limits = MicroBatchLimits(max_tokens=args.micro_batch_tokens)
+        loss_config = LossConfig(max_tokens=args.completion_tokens)
+        step_times, micro_batches = [], 0
         for _ in range(args.steps):
             if cuda:
                 torch.cuda.synchronize()
             started = time.monotonic()
-            loss = -policy.token_logprobs(ids).mean()
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
+            update = policy_update(policy, optimizer, batch, loss_config, temperature=1.0, max_grad_norm=1.0, limits=limits)
             if cuda:
                 torch.cuda.synchronize()
             step_times.append(time.monotonic() - started)
+            micro_batches = update.micro_batches
+            checks["update_finite"] = checks.get("update_finite", True) and torch.isfinite(torch.tensor(update.loss)).item()
         result["step_seconds"] = [round(t, 3) for t in step_times]
-        result["tokens_per_step"] = args.batch * args.seq_len
+        result["tokens_per_step"] = sum(len(c) for _, c in batch.pairs)
+        result["micro_batches_per_step"] = micro_batches
+        result["micro_batch_tokens"] = args.micro_batch_tokens
+        if cuda:
+            result["peak_gpu_reserved_bytes"] = torch.cuda.max_memory_reserved()
         if cuda:
             result["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
             dense_bf16 = result["model_params"] * 2
@@ -109,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
             checks["peak_below_dense_weights"] = result["peak_gpu_bytes"] < dense_bf16
 
         adapter_dir = policy.save_adapter(Path(tmp) / "adapter")
-        probe = ids[:1, :128].cpu()
+        prompt, completion = batch.pairs[0]
+        probe = torch.tensor([(prompt + completion)[:128]])
         with torch.no_grad():
             learner_bf16 = policy.token_logprobs(probe.to(args.device)).float().cpu()
         del policy, optimizer
