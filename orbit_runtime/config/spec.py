@@ -22,14 +22,19 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class ModelSpec(Section):
-    """The frozen INT4 base (an `orbit quantize` output directory)."""
+class ModelSettings(Section):
+    """How the base is computed with (an RLTrainingJob has these; its base comes from `base`)."""
 
-    path: str = Field(description="INT4 checkpoint directory (compressed-tensors pack-quantized).")
     dtype: Literal["bf16", "fp16"] = Field("bf16", description="Activation dtype of vLLM and the learner.")
     learner_dtype: Literal["bf16", "fp16", "fp32"] | None = Field(
         None, description="Learner compute dtype if it should differ from `dtype` (fp32 is exact but slower)."
     )
+
+
+class ModelSpec(ModelSettings):
+    """The frozen INT4 base (an `orbit quantize` output directory) and how it is computed with."""
+
+    path: str = Field(description="INT4 checkpoint directory (compressed-tensors pack-quantized).")
 
 
 class AlgorithmSpec(Section):

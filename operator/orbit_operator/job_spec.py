@@ -1,0 +1,170 @@
+"""`RLTrainingJob.spec`: the runtime's job spec plus what Kubernetes needs to know.
+
+One source of truth: the runtime sections (algorithm, data, rollout, ...) are the very
+pydantic models `orbit train` reads; this module adds where the base comes from, the pod's
+resources and placement, and the job's lifecycle. The CRD's schema (`crd.py`), the
+operator's validation and `orbit validate` all come from `RLTrainingJobSpec`.
+
+Field names: the runtime's sections keep their names (snake_case, as in an `orbit train`
+config, so one file's sections can be pasted into the other); the Kubernetes fields use the
+camelCase of the pod API they map to (nodeSelector, priorityClassName, ...).
+
+No torch, no Kubernetes client: importing this is instant and the operator image needs
+neither.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from orbit_runtime.config.spec import CheckpointSpec, JobSpec, ModelSettings, ModelSpec, Section
+from orbit_runtime.config.storage_uri import validate_storage_uri
+
+QUANTITY = r"^([+]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"  # a Kubernetes resource quantity, e.g. 500m, 16Gi
+DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+MAX_GPUS_PER_NODE = 8  # one node; the operator may be configured lower
+LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+
+
+class PvcSource(Section):
+    """A checkpoint directory on a PersistentVolumeClaim in the job's namespace."""
+
+    claimName: str = Field(pattern=DNS_LABEL, max_length=63, description="The PVC's name.")
+    subPath: str = Field(
+        "", max_length=1024, description="Directory inside the volume (relative, no '..'); empty: the volume's root."
+    )
+
+    @field_validator("subPath")
+    @classmethod
+    def validate_sub_path(cls, sub_path: str) -> str:
+        if sub_path.startswith("/") or ".." in sub_path.split("/") or "\\" in sub_path or "\x00" in sub_path:
+            raise ValueError(f"must be a relative path inside the volume without '..', got {sub_path!r}")
+        return sub_path
+
+
+class BaseSource(Section):
+    """Where the INT4 base comes from. Exactly one of pvc, uri and nodeCache."""
+
+    format: Literal["int4", "hf"] = Field(
+        "hf",
+        description="int4: already an `orbit quantize` output (verified, then used); hf: a Hugging Face-format "
+        "checkpoint, quantized once into the node's cache.",
+    )
+    pvc: PvcSource | None = Field(None, description="The checkpoint on a PVC.")
+    uri: str | None = Field(None, description="The checkpoint in object storage (s3://bucket/prefix).")
+    nodeCache: str | None = Field(
+        None, pattern=DNS_LABEL, max_length=63,
+        description="An INT4 base already in the node's cache under this name (a name, never a path).",
+    )  # fmt: skip
+    groupSize: int = Field(128, description="INT4 scale group size when quantizing (format: hf).")
+
+    @field_validator("uri")
+    @classmethod
+    def validate_uri(cls, uri: str | None) -> str | None:
+        if uri is None:
+            return None
+        if not uri.startswith("s3://"):
+            raise ValueError(f"must be an s3:// URI (a pod cannot read this machine's files), got {uri!r}")
+        return validate_storage_uri(uri)
+
+    @field_validator("groupSize")
+    @classmethod
+    def validate_group_size(cls, group_size: int) -> int:
+        if group_size not in (32, 64, 128):
+            raise ValueError(f"must be 32, 64 or 128, got {group_size}")
+        return group_size
+
+    @model_validator(mode="after")
+    def validate_one_source(self) -> BaseSource:
+        given = [name for name in ("pvc", "uri", "nodeCache") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(f"set exactly one of pvc, uri, nodeCache (got {', '.join(given) or 'none'})")
+        if self.nodeCache is not None and self.format != "int4":
+            raise ValueError("nodeCache holds INT4 bases only: set format: int4")
+        return self
+
+
+class RoleResources(Section):
+    """One container's resources (requests = limits, as GPU pods need) and optional image."""
+
+    gpus: int = Field(0, ge=0, le=MAX_GPUS_PER_NODE, description="nvidia.com/gpu of this container.")
+    cpu: str = Field("2", pattern=QUANTITY, max_length=32, description="CPU (a Kubernetes quantity, e.g. 8 or 500m).")
+    memory: str = Field("8Gi", pattern=QUANTITY, max_length=32, description="Memory (a Kubernetes quantity, e.g. 64Gi).")
+    image: str | None = Field(None, max_length=512, description="Image override for this role (default: the operator's).")
+
+
+class PodResources(Section):
+    rollout: RoleResources = Field(default_factory=lambda: RoleResources(gpus=1, cpu="8", memory="64Gi"))
+    reference: RoleResources = Field(default_factory=lambda: RoleResources(gpus=0, cpu="2", memory="16Gi"))
+    learner: RoleResources = Field(default_factory=lambda: RoleResources(gpus=1, cpu="8", memory="64Gi"))
+
+
+class ClusterCheckpointSpec(CheckpointSpec):
+    credentialsSecret: str | None = Field(
+        None, pattern=DNS_LABEL, max_length=253,
+        description="Secret with AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (and optionally AWS_ENDPOINT_URL), "
+        "given to the learner only.",
+    )  # fmt: skip
+
+
+def _check_labels(values: dict[str, str], field: str) -> dict[str, str]:
+    for key in values:
+        if len(key) > 317 or not LABEL_KEY.match(key):
+            raise ValueError(f"{field} key {key!r} is not a valid Kubernetes label/annotation key")
+    return values
+
+
+class RLTrainingJobSpec(JobSpec):
+    """`RLTrainingJob.spec`. model has no path: the base is `base`, mounted into the pod."""
+
+    model: ModelSettings = Field(default_factory=ModelSettings)  # type: ignore[assignment]
+    checkpoint: ClusterCheckpointSpec = Field(default_factory=ClusterCheckpointSpec)  # type: ignore[assignment]
+    base: BaseSource = Field(description="Where the INT4 base comes from.")
+    resources: PodResources = Field(default_factory=PodResources)
+    nodeSelector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[dict[str, Any]] = Field(default_factory=list, description="Pod tolerations (core/v1 Toleration).")
+    affinity: dict[str, Any] | None = Field(None, description="Pod affinity (core/v1 Affinity).")
+    priorityClassName: str | None = Field(None, pattern=DNS_LABEL, max_length=253)
+    suspend: bool = Field(False, description="true: delete the pod and keep the status; false again: resume.")
+    backoffLimit: int = Field(3, ge=0, le=100, description="Pod failures retried (with exponential backoff) before Failed.")
+    activeDeadlineSeconds: int | None = Field(None, ge=1, description="Fail the job after this long running.")
+    ttlSecondsAfterFinished: int | None = Field(None, ge=0, description="Delete the job this long after it finished.")
+    restartId: str = Field("", max_length=63, description="Changing it restarts the pod (resuming from the last checkpoint).")
+    podLabels: dict[str, str] = Field(default_factory=dict, description="Added to the pod (e.g. kueue.x-k8s.io/queue-name).")
+    podAnnotations: dict[str, str] = Field(default_factory=dict, description="Added to the pod.")
+
+    @field_validator("podLabels")
+    @classmethod
+    def validate_pod_labels(cls, labels: dict[str, str]) -> dict[str, str]:
+        for value in labels.values():
+            if len(value) > 63 or not re.match(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$", value):
+                raise ValueError(f"label value {value!r} is not a valid Kubernetes label value")
+        return _check_labels(labels, "podLabels")
+
+    @field_validator("podAnnotations", "nodeSelector")
+    @classmethod
+    def validate_keys(cls, values: dict[str, str], info) -> dict[str, str]:
+        return _check_labels(values, info.field_name)
+
+    @model_validator(mode="after")
+    def validate_gpus(self) -> RLTrainingJobSpec:
+        total = sum(r.gpus for r in (self.resources.rollout, self.resources.reference, self.resources.learner))
+        if total > MAX_GPUS_PER_NODE:
+            raise ValueError(f"resources: {total} GPUs in all exceed one node ({MAX_GPUS_PER_NODE})")
+        if self.rollout.tensor_parallel_size > max(self.resources.rollout.gpus, 1):
+            raise ValueError(
+                f"rollout.tensor_parallel_size ({self.rollout.tensor_parallel_size}) exceeds resources.rollout.gpus "
+                f"({self.resources.rollout.gpus})"
+            )
+        return self
+
+    def runtime_spec(self, base_path: str, output_dir: str) -> JobSpec:
+        """The `orbit train` config the pod's roles run: the base at BASE_PATH, run files under OUTPUT_DIR."""
+        data = self.model_dump(mode="json", include=set(JobSpec.model_fields))
+        data["model"] = ModelSpec(path=base_path, **self.model.model_dump()).model_dump(mode="json")
+        data["checkpoint"].pop("credentialsSecret", None)
+        data["run"]["output_dir"] = output_dir
+        return JobSpec.model_validate(data)
