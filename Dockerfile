@@ -12,4 +12,5 @@ COPY operator ./operator
 RUN pip install --no-cache-dir '.[operator]'
 
 USER 10001
-ENTRYPOINT ["kopf", "run", "--standalone", "--all-namespaces", "-m", "orbit_operator.main"]
+# configuration from the environment: see operator/orbit_operator/settings.py and __main__.py
+ENTRYPOINT ["python", "-m", "orbit_operator"]

@@ -59,13 +59,14 @@ def config_hash(fields: dict[str, Any]) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
-def describe_differences(old: dict[str, Any], new: dict[str, Any], limit: int = 10) -> list[str]:
-    """Human-readable lines `field: old -> new` for every field that differs."""
+def describe_differences(old: dict[str, Any], new: dict[str, Any], limit: int = 10,
+                         labels: tuple[str, str] = ("checkpoint", "now")) -> list[str]:  # fmt: skip
+    """Human-readable lines `field: old (LABELS[0]) -> new (LABELS[1])` for every field that differs."""
     lines = []
     for key in sorted(set(old) | set(new)):
         if old.get(key, "(unset)") != new.get(key, "(unset)"):
             lines.append(
-                f"{key}: {json.dumps(old.get(key, '(unset)'))} (checkpoint) -> {json.dumps(new.get(key, '(unset)'))} (now)"
+                f"{key}: {json.dumps(old.get(key, '(unset)'))} ({labels[0]}) -> {json.dumps(new.get(key, '(unset)'))} ({labels[1]})"
             )
     if len(lines) > limit:
         lines = lines[:limit] + [f"... and {len(lines) - limit} more"]

@@ -24,7 +24,27 @@ from prometheus_client.core import GaugeMetricFamily
 disable_created_metrics()  # no `*_created` series: they double the series count and no panel uses them
 LEARNER_REGISTRY = CollectorRegistry(auto_describe=True)
 REFERENCE_REGISTRY = CollectorRegistry(auto_describe=True)
-REGISTRIES = {"learner": LEARNER_REGISTRY, "reference": REFERENCE_REGISTRY}
+OPERATOR_REGISTRY = CollectorRegistry(auto_describe=True)
+REGISTRIES = {"learner": LEARNER_REGISTRY, "reference": REFERENCE_REGISTRY, "operator": OPERATOR_REGISTRY}
+
+# ---- operator ------------------------------------------------------------------------------
+OPERATOR_RECONCILES = Counter(
+    "orbit_operator_reconciles", "RLTrainingJob reconciles, by outcome (ok, invalid, error).", ["outcome"],
+    registry=OPERATOR_REGISTRY,
+)
+OPERATOR_RECONCILE_DURATION = Histogram(
+    "orbit_operator_reconcile_duration_seconds", "Time one reconcile took (API calls included).",
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=OPERATOR_REGISTRY,
+)
+OPERATOR_JOBS = Gauge("orbit_operator_jobs", "RLTrainingJobs the operator knows, by phase.", ["phase"], registry=OPERATOR_REGISTRY)
+OPERATOR_POD_CREATIONS = Counter("orbit_operator_pod_creations", "Pods created for jobs (first attempts and retries).",
+                                 registry=OPERATOR_REGISTRY)  # fmt: skip
+OPERATOR_STATUS_POLL_FAILURES = Counter(
+    "orbit_operator_status_poll_failures", "Learner /status polls that failed (the job's progress is then stale).",
+    registry=OPERATOR_REGISTRY,
+)
+for _outcome in ("ok", "invalid", "error"):
+    OPERATOR_RECONCILES.labels(_outcome)
 
 STEP_BUCKETS = (0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1200, 3600)
 FAST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)

@@ -1,0 +1,147 @@
+"""kopf handlers: observe, `reconcile.plan`, carry the plan out. Nothing is decided here.
+
+Every event (create, update, resume after an operator restart) and a timer every
+`status_poll_seconds` run the same `reconcile`, under one lock per job so the timer and an
+update never interleave. A reconcile that raises is retried by kopf with backoff; no input
+stops the operator (a malformed job ends up Failed/Invalid, see reconcile.plan).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+import time
+from datetime import UTC, datetime
+
+import httpx
+import kopf
+
+from orbit_operator.crd import GROUP, PLURAL, VERSION
+from orbit_operator.kube import Kube
+from orbit_operator.pod import object_names, owner_reference
+from orbit_operator.reconcile import Observed, plan
+from orbit_operator.settings import OperatorSettings
+from orbit_runtime.observability import metrics
+
+log = logging.getLogger("orbit_operator")
+SETTINGS = OperatorSettings.from_env()
+_kube: Kube | None = None
+_locks: dict[str, threading.Lock] = {}
+_locks_guard = threading.Lock()
+_phases: dict[str, str] = {}  # namespace/name -> phase, for orbit_operator_jobs
+
+
+def kube() -> Kube:
+    global _kube
+    if _kube is None:
+        from orbit_operator.kube import load_config
+
+        load_config()
+        _kube = Kube()
+    return _kube
+
+
+def _lock(key: str) -> threading.Lock:
+    with _locks_guard:
+        return _locks.setdefault(key, threading.Lock())
+
+
+def _count_phases() -> None:
+    for phase in ("Pending", "Preparing", "Running", "Succeeded", "Failed", "Suspended"):
+        metrics.OPERATOR_JOBS.labels(phase).set(sum(1 for p in _phases.values() if p == phase))
+
+
+def learner_status(pod: dict | None) -> dict | None:
+    """The learner's /status at the pod's IP, or None (not running yet, or not answering)."""
+    if pod is None or (pod.get("status") or {}).get("phase") != "Running":
+        return None
+    ip = (pod.get("status") or {}).get("podIP")
+    if not ip:
+        return None
+    try:
+        response = httpx.get(f"http://{ip}:{SETTINGS.learner_status_port}/status", timeout=2.0)
+        response.raise_for_status()
+        return response.json()
+    except (httpx.HTTPError, ValueError) as exc:
+        metrics.OPERATOR_STATUS_POLL_FAILURES.inc()
+        log.info("learner /status of %s not available: %s", pod["metadata"]["name"], exc)
+        return None
+
+
+def reconcile(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger) -> None:
+    job = copy.deepcopy(dict(body))
+    meta = job["metadata"]
+    namespace, name = meta["namespace"], meta["name"]
+    key = f"{namespace}/{name}"
+    started = time.monotonic()
+    outcome = "error"
+    try:
+        with _lock(key):
+            api = kube()
+            pods = api.job_pods(namespace, name)
+            attempt = int((job.get("status") or {}).get("attempt", 0))
+            current = next((p for p in pods if p["metadata"]["name"] == object_names(name, attempt)["pod"]), None)
+            observed = Observed(job=job, pods=pods, configmap=api.configmap(namespace, object_names(name, 0)["configmap"]),
+                                now=datetime.now(UTC).replace(tzinfo=None), learner_status=learner_status(current))  # fmt: skip
+            decided = plan(observed, SETTINGS)
+            owner = owner_reference(name, meta["uid"])
+            if decided.create_configmap is not None:
+                decided.create_configmap["metadata"]["ownerReferences"] = [owner]
+                api.apply_configmap(decided.create_configmap)
+            for pod_name in decided.delete_pods:
+                api.delete_pod(namespace, pod_name)
+            if decided.create_pod is not None:
+                decided.create_pod["metadata"]["ownerReferences"] = [owner]
+                if api.create_pod(decided.create_pod):
+                    metrics.OPERATOR_POD_CREATIONS.inc()
+            for type_, reason, message in decided.events:
+                kopf.event(body, type=type_, reason=reason, message=message)
+            old = job.get("status") or {}
+            new = {k: v for k, v in decided.status.items() if not k.startswith("kopf")}
+            patch.status.update({**{k: None for k in old if k not in new and not k.startswith("kopf")}, **new})
+            _phases[key] = new.get("phase", "Pending")
+            if decided.delete_job:
+                logger.info("ttlSecondsAfterFinished passed: deleting the job")
+                api.delete_job(namespace, name)
+            outcome = "invalid" if any(c.get("type") == "Invalid" for c in new.get("conditions", [])) else "ok"
+    finally:
+        metrics.OPERATOR_RECONCILES.labels(outcome).inc()
+        metrics.OPERATOR_RECONCILE_DURATION.observe(time.monotonic() - started)
+        _count_phases()
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, **_) -> None:
+    settings.posting.level = logging.INFO
+    settings.persistence.finalizer = f"{GROUP}/cleanup"
+    settings.watching.server_timeout = 60
+
+
+@kopf.on.create(GROUP, VERSION, PLURAL)
+@kopf.on.update(GROUP, VERSION, PLURAL)
+@kopf.on.resume(GROUP, VERSION, PLURAL)
+def on_change(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, **_) -> None:
+    reconcile(body, patch, logger)
+
+
+@kopf.timer(GROUP, VERSION, PLURAL, interval=SETTINGS.status_poll_seconds, sharp=False)
+def on_timer(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, **_) -> None:
+    if body.get("metadata", {}).get("deletionTimestamp"):
+        return
+    reconcile(body, patch, logger)
+
+
+@kopf.on.delete(GROUP, VERSION, PLURAL)
+def on_delete(body: kopf.Body, logger: logging.Logger, **_) -> None:
+    """Remove the job's pods and ConfigMap (ownerReferences would too, in a cluster with a garbage collector)."""
+    meta = body["metadata"]
+    namespace, name = meta["namespace"], meta["name"]
+    with _lock(f"{namespace}/{name}"):
+        api = kube()
+        for pod in api.job_pods(namespace, name):
+            api.delete_pod(namespace, pod["metadata"]["name"])
+        api.delete_configmap(namespace, object_names(name, 0)["configmap"])
+    _phases.pop(f"{namespace}/{name}", None)
+    _count_phases()
+    logger.info("deleted the pods and ConfigMap of %s/%s", namespace, name)

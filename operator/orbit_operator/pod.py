@@ -1,0 +1,230 @@
+"""The pod (and its ConfigMap) an RLTrainingJob becomes. Pure functions: no API calls.
+
+One pod on one node:
+
+- init container `prepare-base`: quantizes or verifies the base into the node's cache
+  (hostPath under the operator's cache root, a directory the operator names: a digest of
+  the source, or a validated nodeCache name). The only writer of the cache.
+- `rollout` (vLLM) and `reference`: native sidecars (init containers with
+  `restartPolicy: Always`). They start before the learner, the kubelet restarts them in
+  place when they crash (the learner waits, re-syncs, continues), and they stop when the
+  learner ends - so the pod's outcome is the learner's.
+- `learner`: the RL loop. The pod never restarts it (`restartPolicy: Never`): a learner
+  that fails fails the pod, and the operator starts a new pod that resumes from the last
+  checkpoint, with backoff.
+
+The base is mounted read-only in the three roles; adapters go through an emptyDir the
+learner writes and the rollout reads; /dev/shm is a memory emptyDir; the job config is a
+ConfigMap; S3 credentials (a Secret) reach the learner only. Every container runs as
+non-root with a read-only root filesystem, no privilege escalation and no capabilities.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import yaml
+
+from orbit_operator.crd import GROUP, KIND, VERSION
+from orbit_operator.job_spec import RLTrainingJobSpec, RoleResources
+from orbit_operator.settings import OperatorSettings
+
+BASE_MOUNT = "/base"  # the INT4 base, read-only, in every role
+CACHE_MOUNT = "/cache"  # the node's cache root, in prepare-base only
+SOURCE_MOUNT = "/source"  # a PVC-held source checkpoint, read-only, in prepare-base only
+ADAPTERS_MOUNT = "/adapters"
+CONFIG_MOUNT = "/etc/orbit"
+RUN_MOUNT = "/var/run/orbit"  # the learner's run directory (metrics.jsonl, report, staging)
+CONFIG_FILE = "job.yaml"
+PORTS = {"rollout": 8000, "reference": 8001, "learner": 9400}
+LABEL_JOB = f"{GROUP}/job"
+LABEL_ATTEMPT = f"{GROUP}/attempt"
+LABEL_ROLE = f"{GROUP}/component"
+
+
+def base_cache_dir(spec: RLTrainingJobSpec) -> str:
+    """The base's directory under the cache root: a digest of what defines it, or the nodeCache name.
+
+    Never user text as a path: a digest is hex, and a nodeCache name is a validated DNS label.
+    """
+    base = spec.base
+    if base.nodeCache is not None:
+        return f"named/{base.nodeCache}"
+    source = {"format": base.format, "groupSize": base.groupSize, "uri": base.uri,
+              "pvc": base.pvc.model_dump() if base.pvc else None}  # fmt: skip
+    digest = hashlib.sha256(json.dumps(source, sort_keys=True).encode()).hexdigest()[:20]
+    return f"base-{digest}"
+
+
+def object_names(job_name: str, attempt: int) -> dict[str, str]:
+    """Deterministic names: an operator restarted mid-reconcile finds what it created, never a duplicate."""
+    return {"pod": f"{job_name}-{attempt}", "configmap": f"{job_name}-config"}
+
+
+def runtime_config(spec: RLTrainingJobSpec, settings: OperatorSettings) -> dict:
+    """The `orbit learner` config in the ConfigMap: the job's runtime sections, the base at its mount."""
+    runtime = spec.runtime_spec(base_path=BASE_MOUNT, output_dir=RUN_MOUNT)
+    data = runtime.model_dump(mode="json")
+    data["metrics"] = {"port": settings.learner_status_port, "host": "0.0.0.0"}
+    return data
+
+
+def build_configmap(name: str, namespace: str, spec: RLTrainingJobSpec, settings: OperatorSettings) -> dict:
+    names = object_names(name, 0)
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": names["configmap"], "namespace": namespace, "labels": _labels(name)},
+        "data": {CONFIG_FILE: yaml.safe_dump(runtime_config(spec, settings), sort_keys=True)},
+    }
+
+
+def _labels(job_name: str, **extra: str) -> dict[str, str]:
+    return {"app.kubernetes.io/name": "orbit", "app.kubernetes.io/managed-by": "orbit-operator", LABEL_JOB: job_name, **extra}
+
+
+def _resources(role: RoleResources) -> dict:
+    amounts: dict[str, Any] = {"cpu": role.cpu, "memory": role.memory}
+    if role.gpus:
+        amounts["nvidia.com/gpu"] = str(role.gpus)
+    return {"requests": dict(amounts), "limits": dict(amounts)}
+
+
+def _security_context() -> dict:
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
+def _probes(port_name: str, startup_seconds: int) -> dict:
+    """Startup (generous: loading a model), then readiness and liveness on the role's /healthz."""
+    get = {"httpGet": {"path": "/healthz", "port": port_name}}
+    return {
+        "startupProbe": {**get, "periodSeconds": 10, "failureThreshold": max(1, startup_seconds // 10), "timeoutSeconds": 5},
+        "readinessProbe": {**get, "periodSeconds": 10, "failureThreshold": 3, "timeoutSeconds": 5},
+        "livenessProbe": {**get, "periodSeconds": 20, "failureThreshold": 6, "timeoutSeconds": 10},
+    }
+
+
+def _env(settings: OperatorSettings, role: str) -> list[dict]:
+    env = {
+        "HOME": "/tmp",
+        "XDG_CACHE_HOME": "/tmp/.cache",
+        "HF_HUB_OFFLINE": "1",
+        "ORBIT_ROLE": role,
+        "ORBIT_CONFIG": f"{CONFIG_MOUNT}/{CONFIG_FILE}",
+        "ORBIT_BASE_DIR": BASE_MOUNT,
+        "ORBIT_ADAPTERS_DIR": ADAPTERS_MOUNT,
+        "ORBIT_ROLLOUT_URL": f"http://127.0.0.1:{PORTS['rollout']}",
+        "ORBIT_REFERENCE_URL": f"http://127.0.0.1:{PORTS['reference']}",
+        **settings.extra_pod_env,
+    }
+    return [{"name": k, "value": v} for k, v in env.items()]
+
+
+def _container(name: str, image: str, command: list[str], settings: OperatorSettings, role: RoleResources,
+               mounts: list[dict]) -> dict:  # fmt: skip
+    return {
+        "name": name,
+        "image": role.image or image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": command,
+        "env": _env(settings, name),
+        "resources": _resources(role),
+        "securityContext": _security_context(),
+        "volumeMounts": [{"name": f"tmp-{name}", "mountPath": "/tmp"}, *mounts],
+    }
+
+
+def build_pod(name: str, namespace: str, spec: RLTrainingJobSpec, settings: OperatorSettings, attempt: int = 0) -> dict:
+    """The pod of attempt ATTEMPT (0, then one more per pod failure) of job NAME."""
+    names = object_names(name, attempt)
+    cache_dir = base_cache_dir(spec)
+    base_ro = {"name": "base-cache", "mountPath": BASE_MOUNT, "subPath": cache_dir, "readOnly": True}
+    config = {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True}
+    image, res = settings.runtime_image, spec.resources
+
+    prepare_mounts = [{"name": "base-cache", "mountPath": CACHE_MOUNT}, config]
+    prepare = ["orbit", "prepare-base", "--cache", CACHE_MOUNT, "--dir", cache_dir, "--format", spec.base.format,
+               "--group-size", str(spec.base.groupSize)]  # fmt: skip
+    if spec.base.pvc is not None:
+        prepare_mounts.append({"name": "base-source", "mountPath": SOURCE_MOUNT, "subPath": spec.base.pvc.subPath,
+                               "readOnly": True})  # fmt: skip
+        prepare += ["--source", SOURCE_MOUNT]
+    elif spec.base.uri is not None:
+        prepare += ["--source", spec.base.uri]
+    init = _container("prepare-base", image, prepare, settings, RoleResources(cpu="2", memory="8Gi"), prepare_mounts)
+
+    rollout = _container("rollout", image, ["orbit", "rollout", f"{CONFIG_MOUNT}/{CONFIG_FILE}"], settings, res.rollout,
+                         [base_ro, config, {"name": "adapters", "mountPath": ADAPTERS_MOUNT, "readOnly": True},
+                          {"name": "dshm", "mountPath": "/dev/shm"}])  # fmt: skip
+    reference = _container("reference", image, ["orbit", "reference", f"{CONFIG_MOUNT}/{CONFIG_FILE}"], settings,
+                           res.reference, [base_ro, config])  # fmt: skip
+    learner = _container("learner", image, ["orbit", "learner", f"{CONFIG_MOUNT}/{CONFIG_FILE}"], settings, res.learner,
+                         [base_ro, config, {"name": "adapters", "mountPath": ADAPTERS_MOUNT},
+                          {"name": "run", "mountPath": RUN_MOUNT}, {"name": "dshm", "mountPath": "/dev/shm"}])  # fmt: skip
+    for container, startup in ((rollout, 1800), (reference, 900), (learner, 1800)):
+        container["ports"] = [{"name": container["name"][:15], "containerPort": PORTS[container["name"]], "protocol": "TCP"}]
+        container.update(_probes(container["name"][:15], startup))
+    for sidecar in (rollout, reference):
+        sidecar["restartPolicy"] = "Always"  # a native sidecar: restarted in place, stopped after the learner
+    if spec.checkpoint.credentialsSecret:
+        learner["envFrom"] = [{"secretRef": {"name": spec.checkpoint.credentialsSecret}}]  # the learner only
+
+    volumes: list[dict] = [
+        {"name": "base-cache", "hostPath": {"path": settings.cache_root, "type": "DirectoryOrCreate"}},
+        {"name": "config", "configMap": {"name": names["configmap"]}},
+        {"name": "adapters", "emptyDir": {}},
+        {"name": "run", "emptyDir": {}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+        *({"name": f"tmp-{c['name']}", "emptyDir": {}} for c in (init, rollout, reference, learner)),
+    ]
+    if spec.base.pvc is not None:
+        volumes.append({"name": "base-source", "persistentVolumeClaim": {"claimName": spec.base.pvc.claimName, "readOnly": True}})
+
+    pod_spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "initContainers": [init, rollout, reference],
+        "containers": [learner],
+        "volumes": volumes,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": settings.run_as_user,
+            "runAsGroup": settings.run_as_user,
+            "fsGroup": settings.run_as_user,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "automountServiceAccountToken": False,  # the roles never talk to the API server
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": int(spec.checkpoint.stop_timeout_s) + 30,  # time for the last checkpoint
+    }
+    if spec.nodeSelector:
+        pod_spec["nodeSelector"] = dict(spec.nodeSelector)
+    if spec.tolerations:
+        pod_spec["tolerations"] = [dict(t) for t in spec.tolerations]
+    if spec.affinity:
+        pod_spec["affinity"] = dict(spec.affinity)
+    if spec.priorityClassName:
+        pod_spec["priorityClassName"] = spec.priorityClassName
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": names["pod"],
+            "namespace": namespace,
+            "labels": {**spec.podLabels, **_labels(name, **{LABEL_ATTEMPT: str(attempt)})},
+            "annotations": {**spec.podAnnotations, f"{GROUP}/restart-id": spec.restartId},
+        },
+        "spec": pod_spec,
+    }
+
+
+def owner_reference(name: str, uid: str) -> dict:
+    """What makes the job own (and garbage-collect) a pod or ConfigMap."""
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "name": name, "uid": uid, "controller": True,
+            "blockOwnerDeletion": True}  # fmt: skip

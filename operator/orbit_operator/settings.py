@@ -1,0 +1,66 @@
+"""The operator's own configuration, from its environment (the Helm chart sets it).
+
+The node cache root - where INT4 bases live on each node (a hostPath) - is configured here
+and only here: a job never names a host path. Each base gets a directory under it whose name
+the operator derives (a digest of the source, or a validated name), so no job can reach
+outside it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import PurePosixPath
+
+from orbit_runtime.errors import OrbitError
+
+DEFAULT_CACHE_ROOT = "/var/lib/orbit/bases"
+DEFAULT_IMAGE = "ghcr.io/orbit-rl/orbit-runtime:0.1.0"
+
+
+@dataclass(frozen=True)
+class OperatorSettings:
+    cache_root: str = DEFAULT_CACHE_ROOT  # hostPath root of the node's base cache
+    runtime_image: str = DEFAULT_IMAGE  # the roles' image unless a job overrides it per role
+    namespaces: tuple[str, ...] = ()  # watched namespaces; empty: cluster-wide
+    max_gpus_per_node: int = 8
+    run_as_user: int = 1000  # the runtime image's non-root user; the cache root must be writable by it
+    status_poll_seconds: float = 10.0  # how often each job is reconciled and its learner polled
+    learner_status_port: int = 9400
+    backoff_base_seconds: float = 10.0  # first delay before a failed pod is replaced; doubles, at most 5 minutes
+    extra_pod_env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        root = PurePosixPath(self.cache_root)
+        if not root.is_absolute() or ".." in root.parts or str(root) == "/":
+            raise OrbitError(f"ORBIT_CACHE_ROOT must be an absolute directory other than /, got {self.cache_root!r}")
+        if self.status_poll_seconds <= 0 or self.backoff_base_seconds <= 0:
+            raise OrbitError("ORBIT_STATUS_POLL_SECONDS and ORBIT_BACKOFF_BASE_SECONDS must be > 0")
+        if self.max_gpus_per_node < 1:
+            raise OrbitError(f"ORBIT_MAX_GPUS_PER_NODE must be >= 1, got {self.max_gpus_per_node}")
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> OperatorSettings:
+        """ORBIT_CACHE_ROOT, ORBIT_RUNTIME_IMAGE, ORBIT_NAMESPACES (comma-separated), ORBIT_MAX_GPUS_PER_NODE,
+        ORBIT_RUN_AS_USER, ORBIT_STATUS_POLL_SECONDS, ORBIT_LEARNER_STATUS_PORT, ORBIT_BACKOFF_BASE_SECONDS."""
+        env = dict(os.environ if env is None else env)
+
+        def number(name: str, default, kind=int):
+            raw = env.get(name)
+            if raw is None or raw == "":
+                return default
+            try:
+                return kind(raw)
+            except ValueError:
+                raise OrbitError(f"{name}: not a number: {raw!r}") from None
+
+        return cls(
+            cache_root=env.get("ORBIT_CACHE_ROOT", DEFAULT_CACHE_ROOT),
+            runtime_image=env.get("ORBIT_RUNTIME_IMAGE", DEFAULT_IMAGE),
+            namespaces=tuple(n.strip() for n in env.get("ORBIT_NAMESPACES", "").split(",") if n.strip()),
+            max_gpus_per_node=number("ORBIT_MAX_GPUS_PER_NODE", 8),
+            run_as_user=number("ORBIT_RUN_AS_USER", 1000),
+            status_poll_seconds=number("ORBIT_STATUS_POLL_SECONDS", 10.0, float),
+            learner_status_port=number("ORBIT_LEARNER_STATUS_PORT", 9400),
+            backoff_base_seconds=number("ORBIT_BACKOFF_BASE_SECONDS", 10.0, float),
+        )
