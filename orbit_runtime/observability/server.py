@@ -1,4 +1,5 @@
-"""`/metrics` (Prometheus text format) and `/healthz` for a role, on a background thread.
+"""`/metrics` (Prometheus text format), `/healthz` and, for the learner, `/status` (JSON
+progress the operator copies into the job's status), on a background thread.
 
 The learner runs this server; the reference server adds the same two routes to its FastAPI
 app (see reference.server), and vLLM serves its own `/metrics`.
@@ -6,6 +7,7 @@ app (see reference.server), and vLLM serves its own `/metrics`.
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -16,8 +18,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 class MetricsServer:
     """Serves REGISTRY on HOST:PORT (port 0: any free port) until stop()."""
 
-    def __init__(self, registry: CollectorRegistry, host: str, port: int, healthy: Callable[[], bool] = lambda: True) -> None:
+    def __init__(self, registry: CollectorRegistry, host: str, port: int, healthy: Callable[[], bool] = lambda: True,
+                 status: Callable[[], dict] | None = None) -> None:  # fmt: skip
         self.healthy = healthy
+        self.status = status
         owner = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -31,8 +35,10 @@ class MetricsServer:
                 elif path == "/healthz":
                     ok = owner.healthy()
                     body, status, ctype = (b"ok\n" if ok else b"unhealthy\n"), (200 if ok else 503), "text/plain"
+                elif path == "/status" and owner.status is not None:
+                    body, status, ctype = json.dumps(owner.status()).encode(), 200, "application/json"
                 else:
-                    body, status, ctype = b"not found: try /metrics or /healthz\n", 404, "text/plain"
+                    body, status, ctype = b"not found: try /metrics, /healthz or /status\n", 404, "text/plain"
                 self.send_response(status)
                 self.send_header("Content-Type", ctype)
                 self.send_header("Content-Length", str(len(body)))

@@ -52,7 +52,7 @@ from orbit_runtime.trainer.checkpointing import (
     restore_rng,
 )
 from orbit_runtime.trainer.evaluation import Evaluator
-from orbit_runtime.trainer.recorder import RunRecorder, RunState, sample_rows, step_row
+from orbit_runtime.trainer.recorder import RunRecorder, RunState, sample_rows, status_document, step_row
 from orbit_runtime.trainer.roles import ReferenceRole, RolloutRole, rollout_server_config
 from orbit_runtime.trainer.rollback import StepSnapshot
 from orbit_runtime.trainer.stopping import StopController, Stopped
@@ -124,6 +124,7 @@ class Trainer:
         self._probe_stop = threading.Event()
         self._restarts_written = (0, 0)  # (rollout, reference) restarts reflected in processes.json
         self._first_step_report: dict | None = None
+        self.phase, self.max_steps = "starting", spec.schedule.steps
         self._restore()
         removed = self.checkpoints.remove_torn()
         if removed:
@@ -309,16 +310,18 @@ class Trainer:
         """
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-        total = max_steps or self.spec.schedule.steps
+        total = self.max_steps = max_steps or self.spec.schedule.steps
         self.stop.install()
         interrupted = False
         self._start_metrics()
         try:
             if self.state.step >= total:
                 self._say(f"the checkpoint is at step {self.state.step}, max steps is {total}: nothing to train")
+                self.phase = "succeeded"
                 return self.write_summary(interrupted=False)
             self.stop.interruptible = True
             self.start_roles()
+            self.phase = "running"
             if not self.state.evals:
                 before = self.evaluate()
                 self._say(f"held-out accuracy before RL: {before['accuracy']:.1%} ({before['examples']} prompts, greedy)")
@@ -335,10 +338,12 @@ class Trainer:
                         f"| {row['tokens_per_second']:.0f} tok/s"))  # fmt: skip
             after = self.evaluate()
             self._say(f"held-out accuracy after RL:  {after['accuracy']:.1%} (step {self.state.step})")
+            self.phase = "succeeded"
         except Stopped:
-            interrupted = True
+            interrupted, self.phase = True, "stopped"
             self._say(f"stopped at step {self.state.step} ({self.stop.name}); servers shut down")
         finally:
+            self.phase = "failed" if self.phase in ("starting", "running") else self.phase
             with self.stop.deferred():  # stop signals are recorded, never raised, while shutting down
                 self.stop_roles()
                 summary = self._shut_down("stopping" if interrupted else "end of run", interrupted)
@@ -353,8 +358,15 @@ class Trainer:
         metrics.observe_start(time.time(), self.state.adapter_version)
         if self.spec.metrics.port is None:
             return
-        self.metrics_server = MetricsServer(metrics.LEARNER_REGISTRY, self.spec.metrics.host, self.spec.metrics.port).start()
-        self._say(f"metrics: {self.metrics_server.url}/metrics (health: /healthz)")
+        self.metrics_server = MetricsServer(metrics.LEARNER_REGISTRY, self.spec.metrics.host, self.spec.metrics.port,
+                                            status=self.status).start()  # fmt: skip
+        self._say(f"metrics: {self.metrics_server.url}/metrics (health: /healthz, progress: /status)")
+
+    def status(self) -> dict:
+        """The `/status` document (see recorder.status_document)."""
+        restarts = {"rollout": self.rollout.restarts, "reference": self.reference.restarts}
+        return status_document(self.state, phase=self.phase, max_steps=self.max_steps, checkpoint_uri=self.checkpoints.uri,
+                               last_checkpoint_step=self.checkpoints.stats.last_success_step, restarts=restarts)  # fmt: skip
 
     def _after_step(self, total: int) -> None:
         """Between two steps: resume report, checkpoint, evaluation; then honour a pending stop."""

@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 
 from orbit_runtime.algorithms.update import UpdateResult
+from orbit_runtime.checkpoint.catalog import step_dir
 from orbit_runtime.run_paths import RunPaths
 from orbit_runtime.sync.adapter_sync import SyncResult
 from orbit_runtime.trainer.batch import RolloutBatch
@@ -38,6 +39,27 @@ class RunState:
     @property
     def wall_seconds(self) -> float:
         return self.elapsed_before + time.monotonic() - self.started
+
+
+def status_document(state: RunState, *, phase: str, max_steps: int, checkpoint_uri: str, last_checkpoint_step: int | None,
+                    restarts: dict[str, int]) -> dict:  # fmt: skip
+    """The learner's `/status` JSON: what the operator copies into the RLTrainingJob's status."""
+    steps, evals = state.steps, state.evals
+    return {
+        "phase": phase,  # starting, running, succeeded, stopped, failed
+        "step": state.step,
+        "maxSteps": max_steps,
+        "reward": steps[-1]["reward_mean"] if steps else None,
+        "heldoutAccuracy": evals[-1]["accuracy"] if evals else None,
+        "adapterVersion": state.adapter_version,
+        "lastCheckpoint": (
+            {"uri": f"{checkpoint_uri.rstrip('/')}/{step_dir(last_checkpoint_step)}", "step": last_checkpoint_step}
+            if last_checkpoint_step else None
+        ),
+        "restarts": dict(restarts),
+        "resumedFrom": state.resumed_from,
+        "wallSeconds": round(state.wall_seconds, 1),
+    }
 
 
 def sample_rows(step: int, batch: RolloutBatch, group_size: int, limit: int) -> list[dict]:

@@ -127,6 +127,12 @@ def test_every_dashboard_and_alert_expression_returns_data(tmp_path, int4_dir):
         _wait_for(lambda: len(_steps(run)) >= 4, 300, "four training steps")
         _wait_for(lambda: prometheus.has_data("count_over_time(orbit_learner_step[1m]) >= 20"), 120, "20 scrapes")
         _wait_for(lambda: prometheus.has_data("orbit_checkpoint_last_step > 0"), 60, "a checkpoint")
+        # the learner's /status: what the operator copies into the RLTrainingJob's status
+        progress = httpx.get(f"http://127.0.0.1:{metrics_port}/status").json()
+        assert progress["phase"] == "running" and progress["maxSteps"] == 200 and progress["step"] >= 4
+        assert progress["lastCheckpoint"]["step"] >= 1 and progress["lastCheckpoint"]["uri"].startswith("file://")
+        assert isinstance(progress["reward"], float) and isinstance(progress["heldoutAccuracy"], float)
+        assert progress["restarts"] == {"rollout": 0, "reference": 0}
         up = {r["metric"]["orbit_role"]: r["value"][1] for r in prometheus.query("up")["result"]}
         assert up == {"learner": "1", "rollout": "1", "reference": "1"}, up
 
