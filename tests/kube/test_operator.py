@@ -1,0 +1,189 @@
+"""The real operator process (`python -m orbit_operator`) against the API emulator, driven with
+real `kubectl apply -f`. The emulator plays the kubelet (tests set pod phases); pods do not
+run here (tests/e2e runs them). Mocked because nothing else can run here: the cluster."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+from prometheus_client import CollectorRegistry
+
+from orbit_runtime.observability.server import MetricsServer
+from orbit_runtime.processes import free_port
+from orbit_runtime.trainer.recorder import RunState, status_document
+from tests.kube.emulator import REPO_ROOT, RLJOBS, KubeEmulator
+from tests.unit.test_operator_manifests import BAD_JOBS
+
+NS = "default"
+JOB = "quickstart-cpu"
+JOB_PATH = KubeEmulator.path(RLJOBS, NS, JOB)
+
+
+@contextlib.contextmanager
+def operator_process(kube: KubeEmulator, log_path: Path, status_port: int):
+    """`python -m orbit_operator`, as the chart runs it, with short test intervals."""
+    env = {**kube.env(), "PYTHONUNBUFFERED": "1", "ORBIT_STATUS_POLL_SECONDS": "0.5", "ORBIT_BACKOFF_BASE_SECONDS": "1",
+           "ORBIT_LEARNER_STATUS_PORT": str(status_port), "ORBIT_LIVENESS_PORT": str(free_port("127.0.0.1")),
+           "ORBIT_METRICS_PORT": str(free_port("127.0.0.1")), "ORBIT_BIND_ADDRESS": "127.0.0.1",
+           "ORBIT_CACHE_ROOT": "/var/lib/orbit-test/bases"}  # fmt: skip
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "orbit_operator"], env=env, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+        proc.env = env  # type: ignore[attr-defined]
+        try:
+            yield proc
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n--- operator log ---\n{log_path.read_text()[-4000:]}") from exc
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+
+
+def status(kube: KubeEmulator, path: str = JOB_PATH) -> dict:
+    return (kube.get(path) or {}).get("status") or {}
+
+
+def pods(kube: KubeEmulator) -> dict[str, dict]:
+    return {p["metadata"]["name"]: p for p in kube.list_pods(NS) if not p["metadata"].get("deletionTimestamp")}
+
+
+def wait(kube: KubeEmulator, predicate, message: str, timeout: float = 30.0):
+    return kube.wait_for(predicate, timeout=timeout, interval=0.2, message=message)
+
+
+def test_job_lifecycle_pod_status_progress_backoff_suspend_success_and_delete(kube: KubeEmulator, tmp_path: Path) -> None:
+    status_port = free_port("127.0.0.1")
+    # the learner's /status endpoint (its server and document code), at the pod IP the "kubelet" reports; the
+    # run state is a learner's after 3 steps (a real run serves it in tests/integration/test_observability.py)
+    state = RunState(step=3, adapter_version=3, rows=[{"kind": "eval", "step": 2, "accuracy": 0.25},
+                                                       {"kind": "step", "step": 3, "reward_mean": 0.5}])  # fmt: skip
+
+    def learner() -> dict:
+        return status_document(state, phase="running", max_steps=4, checkpoint_uri="s3://orbit-test/quickstart-cpu",
+                               last_checkpoint_step=2, restarts={"rollout": 0, "reference": 0})  # fmt: skip
+
+    server = MetricsServer(CollectorRegistry(), "127.0.0.7", status_port, status=learner)
+    server.start()
+    try:
+        with operator_process(kube, tmp_path / "operator.log", status_port) as proc:
+            assert "created" in kube.kubectl("apply", "--validate=false", "-f", "examples/rljob-cpu.yaml").stdout
+            pod = wait(kube, lambda: pods(kube).get(f"{JOB}-0"), "the first pod")
+            spec = pod["spec"]
+            assert [c["name"] for c in spec["initContainers"]] == ["prepare-base", "rollout", "reference"]
+            assert [c["name"] for c in spec["containers"]] == ["learner"]
+            assert {v["name"]: v for v in spec["volumes"]}["base-cache"]["hostPath"]["path"] == "/var/lib/orbit-test/bases"
+            assert pod["metadata"]["ownerReferences"][0]["kind"] == "RLTrainingJob"
+            configmap = kube.get(KubeEmulator.path("v1/configmaps", NS, f"{JOB}-config"))
+            assert yaml.safe_load(configmap["data"]["job.yaml"])["model"]["path"] == "/base"
+            wait(kube, lambda: status(kube).get("phase") == "Pending", "phase Pending")
+            wait(kube, lambda: any(e["reason"] == "PodCreated" for e in kube.events(involved_name=JOB)), "a PodCreated event")
+
+            kube.set_pod_status(NS, f"{JOB}-0", "Running", pod_ip="127.0.0.7")
+            wait(kube, lambda: status(kube).get("progress", {}).get("step") == 3, "progress from the learner's /status")
+            current = status(kube)
+            assert current["phase"] == "Running" and current["progress"]["stepText"] == "3/4"
+            assert current["progress"]["lastCheckpoint"]["step"] == 2 and current["observedGeneration"] == 1
+            ready = [c for c in current["conditions"] if c["type"] == "Ready"][0]
+            assert ready["status"] == "True" and ready["lastTransitionTime"]
+            table = kube.kubectl("get", "rljob", JOB).stdout
+            assert "Running" in table and "3/4" in table and "0.5" in table and "0.25" in table
+
+            kube.set_pod_status(NS, f"{JOB}-0", "Failed", exit_code=1, reason="Error")  # the learner crashed
+            wait(kube, lambda: status(kube).get("failures") == 1, "failures counted")
+            assert f"{JOB}-1" not in pods(kube)  # backoff first
+            wait(kube, lambda: f"{JOB}-1" in pods(kube), "a new pod after the backoff")
+            wait(kube, lambda: any(e["reason"] == "PodFailed" and "learner: Error (exit 1)" in e["message"]
+                                   for e in kube.events(involved_name=JOB)), "a PodFailed event naming the container")  # fmt: skip
+
+            kube.kubectl("patch", "rljob", JOB, "--type=merge", "-p", '{"spec":{"suspend":true}}')
+            wait(kube, lambda: status(kube).get("phase") == "Suspended" and not pods(kube).get(f"{JOB}-1"), "suspended, pod gone")
+            assert status(kube)["progress"]["step"] == 3  # the status is kept
+            kube.kubectl("patch", "rljob", JOB, "--type=merge", "-p", '{"spec":{"suspend":false}}')
+            resumed = wait(kube, lambda: pods(kube).get(f"{JOB}-2"), "a new pod on resume")
+            kube.set_pod_status(NS, resumed["metadata"]["name"], "Succeeded")
+            wait(kube, lambda: status(kube).get("phase") == "Succeeded", "Succeeded")
+            assert status(kube)["completionTime"] and status(kube)["failures"] == 1
+            for phase in ("Pending", "Running", "Suspended", "Succeeded"):  # an Event on every transition
+                wait(kube, lambda p=phase: any(e["reason"] == p for e in kube.events(involved_name=JOB)), f"a {phase} event")
+
+            operator_metrics = httpx.get(f"http://127.0.0.1:{proc.env['ORBIT_METRICS_PORT']}/metrics").text
+            assert 'orbit_operator_reconciles_total{outcome="ok"}' in operator_metrics
+            assert 'orbit_operator_jobs{phase="Succeeded"} 1.0' in operator_metrics
+            assert httpx.get(f"http://127.0.0.1:{proc.env['ORBIT_LIVENESS_PORT']}/healthz").status_code == 200
+
+            kube.kubectl("delete", "rljob", JOB, "--timeout=30s")
+            assert kube.get(JOB_PATH) is None
+            assert not kube.list_pods(NS) and kube.get(KubeEmulator.path("v1/configmaps", NS, f"{JOB}-config")) is None
+    finally:
+        server.stop()
+
+
+def test_backoff_limit_exhausted_fails_the_job(kube: KubeEmulator, tmp_path: Path) -> None:
+    with operator_process(kube, tmp_path / "operator.log", free_port("127.0.0.1")):
+        kube.kubectl("apply", "--validate=false", "-f", "examples/rljob-cpu.yaml")  # backoffLimit: 2
+        for attempt in range(3):
+            wait(kube, lambda a=attempt: pods(kube).get(f"{JOB}-{a}"), f"pod of attempt {attempt}")
+            kube.set_pod_status(NS, f"{JOB}-{attempt}", "Failed", exit_code=1)
+        wait(kube, lambda: status(kube).get("phase") == "Failed", "Failed after the backoff limit")
+        failed = [c for c in status(kube)["conditions"] if c["type"] == "Failed"][0]
+        assert failed["reason"] == "BackoffLimitExceeded" and status(kube)["failures"] == 3
+        time.sleep(2)
+        assert f"{JOB}-3" not in pods(kube)  # no more pods
+
+
+def test_an_operator_killed_mid_reconcile_creates_no_duplicate_pod(kube: KubeEmulator, tmp_path: Path) -> None:
+    status_port = free_port("127.0.0.1")
+    log = tmp_path / "operator.log"
+    kube.kubectl("apply", "--validate=false", "-f", "examples/rljob-cpu.yaml")
+    with operator_process(kube, log, status_port) as proc:
+        wait(kube, lambda: pods(kube), "the first pod")
+        proc.kill()  # SIGKILL: right after creating the pod, possibly before writing the status
+        proc.wait()
+    with operator_process(kube, log, status_port):
+        wait(kube, lambda: status(kube).get("phase") == "Pending" and status(kube).get("podName"), "status after restart")
+        time.sleep(2)  # several reconciles
+        assert list(pods(kube)) == [f"{JOB}-0"]
+
+
+def test_bad_jobs_fail_invalid_naming_the_field_while_a_good_job_proceeds(kube: KubeEmulator, tmp_path: Path) -> None:
+    documents, expected = [], {}
+    for index, (case, (manifest, field)) in enumerate(sorted(BAD_JOBS.items())):
+        if manifest.get("kind") != "RLTrainingJob" or manifest.get("apiVersion") != "orbit.dev/v1alpha1":
+            continue  # not an RLTrainingJob: the API server refuses it, the operator never sees it
+        if not isinstance(manifest.get("metadata"), dict) or manifest["metadata"].get("name") != JOB:
+            continue  # an invalid object name: the API server refuses it
+        bad = copy.deepcopy(manifest)
+        bad["metadata"] = {"name": f"bad-{index}"}
+        documents.append(bad)
+        expected[f"bad-{index}"] = (case, field)
+    assert len(expected) >= 30
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump_all([yaml.safe_load((REPO_ROOT / "examples" / "rljob-cpu.yaml").read_text()), *documents]))
+    with operator_process(kube, tmp_path / "operator.log", free_port("127.0.0.1")) as proc:
+        kube.kubectl("apply", "--validate=false", "-f", str(path))
+        for name, (case, field) in expected.items():
+            job = KubeEmulator.path(RLJOBS, NS, name)
+            wait(kube, lambda j=job: status(kube, j).get("phase") == "Failed", f"{case}: Failed")
+            invalid = [c for c in status(kube, job)["conditions"] if c["type"] == "Invalid"]
+            assert invalid and field in invalid[0]["message"], (case, invalid)
+            wait(kube, lambda n=name: any(e["type"] == "Warning" and e["reason"] == "Invalid" for e in kube.events(involved_name=n)),
+                 f"{case}: a Warning event")  # kopf posts events asynchronously  # fmt: skip
+        assert not any(p["metadata"]["name"].startswith("bad-") for p in kube.list_pods(NS))
+        wait(kube, lambda: pods(kube).get(f"{JOB}-0"), "the good job's pod")
+        assert proc.poll() is None  # still running
+        result = subprocess.run([sys.executable, "-m", "orbit_runtime.cli", "validate", str(path)], capture_output=True, text=True,
+                                cwd=REPO_ROOT, env={**os.environ})  # fmt: skip
+        assert result.returncode == 1 and result.stderr.count("): invalid") == len(expected)
