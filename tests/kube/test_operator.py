@@ -101,6 +101,15 @@ def test_job_lifecycle_pod_status_progress_backoff_suspend_success_and_delete(ku
             table = kube.kubectl("get", "rljob", JOB).stdout
             assert "Running" in table and "3/4" in table and "0.5" in table and "0.25" in table
 
+            # a change the running pod cannot take is refused, naming the field; the pod keeps its spec
+            kube.kubectl("patch", "rljob", JOB, "--type=merge", "-p", '{"spec":{"rollout":{"max_tokens":64}}}')
+            refused = wait(kube, lambda: [c for c in status(kube).get("conditions", []) if c["type"] == "SpecChangeRefused"],
+                           "SpecChangeRefused")  # fmt: skip
+            assert "rollout.max_tokens: 12 (running) -> 64 (spec)" in refused[0]["message"]
+            assert list(pods(kube)) == [f"{JOB}-0"] and status(kube)["observedGeneration"] == 2
+            kube.kubectl("patch", "rljob", JOB, "--type=merge", "-p", '{"spec":{"rollout":{"max_tokens":12}}}')
+            wait(kube, lambda: not any(c["type"] == "SpecChangeRefused" for c in status(kube)["conditions"]), "the refusal cleared")
+
             kube.set_pod_status(NS, f"{JOB}-0", "Failed", exit_code=1, reason="Error")  # the learner crashed
             wait(kube, lambda: status(kube).get("failures") == 1, "failures counted")
             assert f"{JOB}-1" not in pods(kube)  # backoff first
@@ -142,6 +151,8 @@ def test_backoff_limit_exhausted_fails_the_job(kube: KubeEmulator, tmp_path: Pat
         assert failed["reason"] == "BackoffLimitExceeded" and status(kube)["failures"] == 3
         time.sleep(2)
         assert f"{JOB}-3" not in pods(kube)  # no more pods
+        kube.kubectl("patch", "rljob", JOB, "--type=merge", "-p", '{"spec":{"ttlSecondsAfterFinished":1}}')
+        wait(kube, lambda: kube.get(JOB_PATH) is None, "the finished job deleted after its TTL")
 
 
 def test_an_operator_killed_mid_reconcile_creates_no_duplicate_pod(kube: KubeEmulator, tmp_path: Path) -> None:
