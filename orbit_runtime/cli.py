@@ -223,6 +223,7 @@ def checkpoints_export(
 def validate(
     file: Annotated[Path, typer.Argument(help="An `orbit train` config, or RLTrainingJob manifest(s) (multi-document YAML).")],
     max_gpus_per_node: Annotated[int, typer.Option(help="GPUs per node in your cluster (the operator's ORBIT_MAX_GPUS_PER_NODE).")] = 8,
+    allow_image_override: Annotated[bool, typer.Option(help="The operator allows per-role images (ORBIT_ALLOW_IMAGE_OVERRIDE).")] = False,
 ) -> None:
     """Validate FILE: a plain job config exactly as `orbit train` reads it, or every RLTrainingJob
     in it exactly as the operator would. Exit 0 if valid, 1 with one line per problem otherwise."""
@@ -252,7 +253,7 @@ def validate(
         return
     failed = False
     for index, document in enumerate(documents, start=1):
-        check = validate_job(document, f"{file}: document {index}", max_gpus_per_node)
+        check = validate_job(document, f"{file}: document {index}", max_gpus_per_node, allow_image_override)
         label = f"{file}: document {index} (RLTrainingJob {check.name or '?'})"
         if check.ok:
             console.print(f"{label}: valid")

@@ -15,7 +15,6 @@ import sys
 import kopf
 from prometheus_client import start_http_server
 
-from orbit_operator import handlers  # noqa: F401 - registers the handlers
 from orbit_runtime.errors import OrbitError
 from orbit_runtime.observability import metrics
 
@@ -23,6 +22,8 @@ from orbit_runtime.observability import metrics
 def main() -> int:
     logging.basicConfig(level=os.environ.get("ORBIT_LOG_LEVEL", "INFO"), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        from orbit_operator import handlers  # registers the handlers; reads (and checks) the settings
+
         settings = handlers.SETTINGS
         liveness_port = int(os.environ.get("ORBIT_LIVENESS_PORT", "8080"))
         metrics_port = int(os.environ.get("ORBIT_METRICS_PORT", "8081"))

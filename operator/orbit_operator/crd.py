@@ -71,6 +71,8 @@ def structural(node: dict, defs: dict) -> dict:
         out = options[0] if len(options) == 1 else _merge_variants(options)
         if nullable:
             out = {**out, "nullable": True}
+            if "enum" in out:  # the API server checks enum before nullable: null must be one of the values
+                out["enum"] = [*out["enum"], None]
     elif node.get("type") == "object" or "properties" in node:
         out = {"type": "object"}
         if "properties" in node:
@@ -203,7 +205,7 @@ def jsonschema_of(openapi: dict) -> dict:
     node = {k: v for k, v in openapi.items() if not k.startswith("x-kubernetes")}
     if node.pop("nullable", False) and "type" in node:
         node["type"] = [node["type"], "null"]
-        if "enum" in node:
+        if "enum" in node and None not in node["enum"]:
             node["enum"] = [*node["enum"], None]
     if "properties" in node:
         node["properties"] = {k: jsonschema_of(v) for k, v in node["properties"].items()}

@@ -8,23 +8,25 @@ stops the operator (a malformed job ends up Failed/Invalid, see reconcile.plan).
 
 from __future__ import annotations
 
-import copy
 import logging
+import os
 import threading
 import time
 from datetime import UTC, datetime
 
 import httpx
 import kopf
+from kubernetes.client.exceptions import ApiException
 
 from orbit_operator.crd import GROUP, PLURAL, VERSION
 from orbit_operator.kube import Kube
 from orbit_operator.pod import object_names, owner_reference
-from orbit_operator.reconcile import Observed, plan
+from orbit_operator.reconcile import Observed, plan, pod_rejected
 from orbit_operator.settings import OperatorSettings
 from orbit_runtime.observability import metrics
 
 log = logging.getLogger("orbit_operator")
+FAULT_EXIT_AFTER_POD_CREATE = "ORBIT_FAULT_EXIT_AFTER_POD_CREATE"  # tests only: die between creating a pod and recording it
 SETTINGS = OperatorSettings.from_env()
 _kube: Kube | None = None
 _locks: dict[str, threading.Lock] = {}
@@ -69,23 +71,29 @@ def learner_status(pod: dict | None) -> dict | None:
         return None
 
 
-def reconcile(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger) -> None:
-    job = copy.deepcopy(dict(body))
-    meta = job["metadata"]
-    namespace, name = meta["namespace"], meta["name"]
+def reconcile(body: kopf.Body, logger: logging.Logger) -> None:
+    """Observe, plan, act, all under the job's lock: the job is read again inside it and its status
+    written directly, so the timer and an event handler never plan from each other's stale status."""
+    namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
     key = f"{namespace}/{name}"
     started = time.monotonic()
     outcome = "error"
     try:
         with _lock(key):
             api = kube()
+            job = api.job(namespace, name)
+            if job is None or job["metadata"].get("deletionTimestamp"):
+                outcome = "ok"
+                return
             pods = api.job_pods(namespace, name)
             attempt = int((job.get("status") or {}).get("attempt", 0))
             current = next((p for p in pods if p["metadata"]["name"] == object_names(name, attempt)["pod"]), None)
+            now = datetime.now(UTC).replace(tzinfo=None)
             observed = Observed(job=job, pods=pods, configmap=api.configmap(namespace, object_names(name, 0)["configmap"]),
-                                now=datetime.now(UTC).replace(tzinfo=None), learner_status=learner_status(current))  # fmt: skip
+                                now=now, learner_status=learner_status(current))  # fmt: skip
             decided = plan(observed, SETTINGS)
-            owner = owner_reference(name, meta["uid"])
+            events = list(decided.events)
+            owner = owner_reference(name, job["metadata"]["uid"])
             if decided.create_configmap is not None:
                 decided.create_configmap["metadata"]["ownerReferences"] = [owner]
                 api.apply_configmap(decided.create_configmap)
@@ -93,13 +101,28 @@ def reconcile(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger) -> Non
                 api.delete_pod(namespace, pod_name)
             if decided.create_pod is not None:
                 decided.create_pod["metadata"]["ownerReferences"] = [owner]
-                if api.create_pod(decided.create_pod):
+                try:
+                    created = api.create_pod(decided.create_pod)
+                except ApiException as exc:
+                    if exc.status is None or not 400 <= exc.status < 500:
+                        raise
+                    message = f"the API server refused pod {decided.create_pod['metadata']['name']}: {exc.status} {exc.reason}: " \
+                              f"{(exc.body or '')[:600]}"  # fmt: skip
+                    decided.status = pod_rejected(decided.status, message, now)
+                    events = [("Warning", "PodRejected", message[:1000])]
+                    created = False
+                if created and os.environ.get(FAULT_EXIT_AFTER_POD_CREATE):
+                    os._exit(70)  # fault injection for tests: the pod exists, the status does not say so yet
+                if created:
                     metrics.OPERATOR_POD_CREATIONS.inc()
-            for type_, reason, message in decided.events:
+                else:  # an earlier reconcile made it, or it was refused
+                    events = [e for e in events if e[1] != "PodCreated"]
+            for type_, reason, message in events:
                 kopf.event(body, type=type_, reason=reason, message=message)
-            old = job.get("status") or {}
+            old = {k: v for k, v in (job.get("status") or {}).items() if not k.startswith("kopf")}
             new = {k: v for k, v in decided.status.items() if not k.startswith("kopf")}
-            patch.status.update({**{k: None for k in old if k not in new and not k.startswith("kopf")}, **new})
+            if new != old:  # a quiet timer tick writes nothing
+                api.patch_job_status(namespace, name, {**{k: None for k in old if k not in new}, **new})
             _phases[key] = new.get("phase", "Pending")
             if decided.delete_job:
                 logger.info("ttlSecondsAfterFinished passed: deleting the job")
@@ -121,15 +144,13 @@ def configure(settings: kopf.OperatorSettings, **_) -> None:
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL)
 @kopf.on.resume(GROUP, VERSION, PLURAL)
-def on_change(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, **_) -> None:
-    reconcile(body, patch, logger)
+def on_change(body: kopf.Body, logger: logging.Logger, **_) -> None:
+    reconcile(body, logger)
 
 
 @kopf.timer(GROUP, VERSION, PLURAL, interval=SETTINGS.status_poll_seconds, sharp=False)
-def on_timer(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, **_) -> None:
-    if body.get("metadata", {}).get("deletionTimestamp"):
-        return
-    reconcile(body, patch, logger)
+def on_timer(body: kopf.Body, logger: logging.Logger, **_) -> None:
+    reconcile(body, logger)
 
 
 @kopf.on.delete(GROUP, VERSION, PLURAL)

@@ -57,9 +57,14 @@ class BaseSource(Section):
     uri: str | None = Field(None, description="The checkpoint in object storage (s3://bucket/prefix).")
     nodeCache: str | None = Field(
         None, pattern=DNS_LABEL, max_length=63,
-        description="An INT4 base already in the node's cache under this name (a name, never a path).",
+        description="An INT4 base an administrator put in every node's cache under named/<this name>/model "
+        "(a name, never a path; shared by all namespaces).",
     )  # fmt: skip
     groupSize: int = Field(128, description="INT4 scale group size when quantizing (format: hf).")
+    credentialsSecret: str | None = Field(
+        None, pattern=DNS_LABEL, max_length=253,
+        description="Secret with S3 credentials for `uri` (AWS_ACCESS_KEY_ID, ...), given to prepare-base only.",
+    )  # fmt: skip
 
     @field_validator("uri")
     @classmethod
@@ -93,7 +98,11 @@ class RoleResources(Section):
     gpus: int = Field(0, ge=0, le=MAX_GPUS_PER_NODE, description="nvidia.com/gpu of this container.")
     cpu: str = Field("2", pattern=QUANTITY, max_length=32, description="CPU (a Kubernetes quantity, e.g. 8 or 500m).")
     memory: str = Field("8Gi", pattern=QUANTITY, max_length=32, description="Memory (a Kubernetes quantity, e.g. 64Gi).")
-    image: str | None = Field(None, max_length=512, description="Image override for this role (default: the operator's).")
+    image: str | None = Field(
+        None, max_length=512,
+        description="Image override for this role (default: the operator's). Refused unless the operator allows "
+        "overrides (ORBIT_ALLOW_IMAGE_OVERRIDE): a custom learner image would read the job's Secrets.",
+    )  # fmt: skip
 
 
 class PodResources(Section):

@@ -28,6 +28,19 @@ class Kube:
         self.core = client.CoreV1Api()
         self.custom = client.CustomObjectsApi()
 
+    def job(self, namespace: str, name: str) -> dict | None:
+        """The RLTrainingJob as stored now (None once it is gone)."""
+        try:
+            return self.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def patch_job_status(self, namespace: str, name: str, status: dict) -> None:
+        """Merge-patch the status subresource (None values remove keys)."""
+        self.custom.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, PLURAL, name, {"status": status})
+
     def job_pods(self, namespace: str, job: str) -> list[dict]:
         """Pods labelled with JOB (the label is also checked here: not every API server filters)."""
         pods = self.core.list_namespaced_pod(namespace, label_selector=f"{LABEL_JOB}={job}")

@@ -3,8 +3,10 @@
 One pod on one node:
 
 - init container `prepare-base`: quantizes or verifies the base into the node's cache
-  (hostPath under the operator's cache root, a directory the operator names: a digest of
-  the source, or a validated nodeCache name). The only writer of the cache.
+  (hostPath under the operator's cache root, in a directory the operator names: a digest of
+  the job's namespace and source, or `named/<nodeCache>` for a base an administrator put
+  there). It sees only that directory, and is the only writer; the base itself is its
+  `model/` subdirectory, which the roles mount read-only.
 - `rollout` (vLLM) and `reference`: native sidecars (init containers with
   `restartPolicy: Always`). They start before the learner, the kubelet restarts them in
   place when they crash (the learner waits, re-syncs, continues), and they stop when the
@@ -15,8 +17,13 @@ One pod on one node:
 
 The base is mounted read-only in the three roles; adapters go through an emptyDir the
 learner writes and the rollout reads; /dev/shm is a memory emptyDir; the job config is a
-ConfigMap; S3 credentials (a Secret) reach the learner only. Every container runs as
-non-root with a read-only root filesystem, no privilege escalation and no capabilities.
+ConfigMap (which also records the spec the pod was built from); S3 credentials (a Secret)
+reach the learner only (a base's own `credentialsSecret`, prepare-base only). File data is
+read from the base's PVC, mounted read-only in the learner at /data. Every container runs
+as non-root with a read-only root filesystem, no privilege escalation and no capabilities.
+
+A hostPath volume needs the namespace's Pod Security level to be `privileged` (baseline and
+restricted forbid hostPath); everything else in the pod meets `restricted`.
 """
 
 from __future__ import annotations
@@ -37,22 +44,27 @@ SOURCE_MOUNT = "/source"  # a PVC-held source checkpoint, read-only, in prepare-
 ADAPTERS_MOUNT = "/adapters"
 CONFIG_MOUNT = "/etc/orbit"
 RUN_MOUNT = "/var/run/orbit"  # the learner's run directory (metrics.jsonl, report, staging)
+DATA_MOUNT = "/data"  # the base's PVC, read-only, in the learner (file data)
 CONFIG_FILE = "job.yaml"
-PORTS = {"rollout": 8000, "reference": 8001, "learner": 9400}
+APPLIED_SPEC_FILE = "spec.json"  # the RLTrainingJob spec the job's pods are built from
+PORTS = {"rollout": 8000, "reference": 8001}  # the learner's is the operator's learner_status_port
 LABEL_JOB = f"{GROUP}/job"
 LABEL_ATTEMPT = f"{GROUP}/attempt"
 LABEL_ROLE = f"{GROUP}/component"
 
 
-def base_cache_dir(spec: RLTrainingJobSpec) -> str:
-    """The base's directory under the cache root: a digest of what defines it, or the nodeCache name.
+def base_cache_dir(spec: RLTrainingJobSpec, namespace: str) -> str:
+    """The base's directory under the cache root: a digest of the namespace and the source, or
+    `named/<nodeCache>` (an administrator's base, shared by every namespace).
 
     Never user text as a path: a digest is hex, and a nodeCache name is a validated DNS label.
+    The namespace is in the digest: a PVC called `models` in another namespace, or an S3 URI
+    another tenant cannot read, never maps to this job's copy.
     """
     base = spec.base
     if base.nodeCache is not None:
         return f"named/{base.nodeCache}"
-    source = {"format": base.format, "groupSize": base.groupSize, "uri": base.uri,
+    source = {"namespace": namespace, "format": base.format, "groupSize": base.groupSize, "uri": base.uri,
               "pvc": base.pvc.model_dump() if base.pvc else None}  # fmt: skip
     digest = hashlib.sha256(json.dumps(source, sort_keys=True).encode()).hexdigest()[:20]
     return f"base-{digest}"
@@ -64,9 +76,13 @@ def object_names(job_name: str, attempt: int) -> dict[str, str]:
 
 
 def runtime_config(spec: RLTrainingJobSpec, settings: OperatorSettings) -> dict:
-    """The `orbit learner` config in the ConfigMap: the job's runtime sections, the base at its mount."""
+    """The `orbit learner` config in the ConfigMap: the job's runtime sections, the base at its
+    mount, file data under the data mount."""
     runtime = spec.runtime_spec(base_path=BASE_MOUNT, output_dir=RUN_MOUNT)
     data = runtime.model_dump(mode="json")
+    for key in ("path", "validation_path"):
+        if data["data"].get(key):
+            data["data"][key] = f"{DATA_MOUNT}/{data['data'][key]}"
     data["metrics"] = {"port": settings.learner_status_port, "host": "0.0.0.0"}
     return data
 
@@ -77,8 +93,21 @@ def build_configmap(name: str, namespace: str, spec: RLTrainingJobSpec, settings
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": {"name": names["configmap"], "namespace": namespace, "labels": _labels(name)},
-        "data": {CONFIG_FILE: yaml.safe_dump(runtime_config(spec, settings), sort_keys=True)},
+        "data": {
+            CONFIG_FILE: yaml.safe_dump(runtime_config(spec, settings), sort_keys=True),
+            APPLIED_SPEC_FILE: json.dumps(spec.model_dump(mode="json"), sort_keys=True),
+        },
     }
+
+
+def applied_spec(configmap: dict | None) -> RLTrainingJobSpec | None:
+    """The spec the job's pods are built from (None: no ConfigMap yet, or unreadable)."""
+    if not configmap:
+        return None
+    try:
+        return RLTrainingJobSpec.model_validate_json((configmap.get("data") or {}).get(APPLIED_SPEC_FILE, ""))
+    except ValueError:
+        return None
 
 
 def _labels(job_name: str, **extra: str) -> dict[str, str]:
@@ -144,13 +173,15 @@ def _container(name: str, image: str, command: list[str], settings: OperatorSett
 def build_pod(name: str, namespace: str, spec: RLTrainingJobSpec, settings: OperatorSettings, attempt: int = 0) -> dict:
     """The pod of attempt ATTEMPT (0, then one more per pod failure) of job NAME."""
     names = object_names(name, attempt)
-    cache_dir = base_cache_dir(spec)
-    base_ro = {"name": "base-cache", "mountPath": BASE_MOUNT, "subPath": cache_dir, "readOnly": True}
+    cache_dir = base_cache_dir(spec, namespace)
+    base_ro = {"name": "base-cache", "mountPath": BASE_MOUNT, "subPath": f"{cache_dir}/model", "readOnly": True}
     config = {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True}
     image, res = settings.runtime_image, spec.resources
 
-    prepare_mounts = [{"name": "base-cache", "mountPath": CACHE_MOUNT}, config]
-    prepare = ["orbit", "prepare-base", "--cache", CACHE_MOUNT, "--dir", cache_dir, "--format", spec.base.format,
+    # prepare-base sees only this job's cache directory (read-only for an administrator's named base)
+    prepare_mounts = [{"name": "base-cache", "mountPath": CACHE_MOUNT, "subPath": cache_dir,
+                       **({"readOnly": True} if spec.base.nodeCache else {})}, config]  # fmt: skip
+    prepare = ["orbit", "prepare-base", "--cache", CACHE_MOUNT, "--format", spec.base.format,
                "--group-size", str(spec.base.groupSize)]  # fmt: skip
     if spec.base.pvc is not None:
         prepare_mounts.append({"name": "base-source", "mountPath": SOURCE_MOUNT, "subPath": spec.base.pvc.subPath,
@@ -159,6 +190,8 @@ def build_pod(name: str, namespace: str, spec: RLTrainingJobSpec, settings: Oper
     elif spec.base.uri is not None:
         prepare += ["--source", spec.base.uri]
     init = _container("prepare-base", image, prepare, settings, RoleResources(cpu="2", memory="8Gi"), prepare_mounts)
+    if spec.base.credentialsSecret:
+        init["envFrom"] = [{"secretRef": {"name": spec.base.credentialsSecret}}]  # the base's S3 source: prepare-base only
 
     rollout = _container("rollout", image, ["orbit", "rollout", f"{CONFIG_MOUNT}/{CONFIG_FILE}"], settings, res.rollout,
                          [base_ro, config, {"name": "adapters", "mountPath": ADAPTERS_MOUNT, "readOnly": True},
@@ -168,8 +201,11 @@ def build_pod(name: str, namespace: str, spec: RLTrainingJobSpec, settings: Oper
     learner = _container("learner", image, ["orbit", "learner", f"{CONFIG_MOUNT}/{CONFIG_FILE}"], settings, res.learner,
                          [base_ro, config, {"name": "adapters", "mountPath": ADAPTERS_MOUNT},
                           {"name": "run", "mountPath": RUN_MOUNT}, {"name": "dshm", "mountPath": "/dev/shm"}])  # fmt: skip
+    if spec.base.pvc is not None:
+        learner["volumeMounts"].append({"name": "base-source", "mountPath": DATA_MOUNT, "readOnly": True})
+    ports = {**PORTS, "learner": settings.learner_status_port}
     for container, startup in ((rollout, 1800), (reference, 900), (learner, 1800)):
-        container["ports"] = [{"name": container["name"][:15], "containerPort": PORTS[container["name"]], "protocol": "TCP"}]
+        container["ports"] = [{"name": container["name"][:15], "containerPort": ports[container["name"]], "protocol": "TCP"}]
         container.update(_probes(container["name"][:15], startup))
     for sidecar in (rollout, reference):
         sidecar["restartPolicy"] = "Always"  # a native sidecar: restarted in place, stopped after the learner

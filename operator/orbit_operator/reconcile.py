@@ -2,33 +2,41 @@
 
 `plan(observed, settings)` looks at the job (spec, status, generation), its pods and its
 ConfigMap, the learner's last `/status`, and the time, and returns a `Plan`: objects to
-create or delete, the status to write, the events to post, and when to look again. The
-handlers (handlers.py) observe, call `plan`, and carry it out; running the same plan twice
-is harmless, because every object has a deterministic name and every decision is read off
-the status the previous run wrote.
+create or delete, the status to write, the events to post. The handlers (handlers.py)
+observe, call `plan`, and carry it out; running the same plan twice is harmless, because
+every object has a deterministic name and every decision is read off the status the
+previous run wrote.
+
+The applied spec: the ConfigMap records the spec the job's pods are built from. It is
+replaced by the current spec only when the job (re)starts: the first pod, a resume after
+`suspend`, a new `restartId`. A pod that replaces a failed one is built from the applied
+spec, so a change the running job could not take never slips in through a failure.
 
 Lifecycle:
-- invalid spec -> Failed with an `Invalid` condition naming the fields (nothing created);
-- suspend: true -> the pod is deleted, status kept, phase Suspended; false -> a new pod
-  (the learner resumes from the last checkpoint);
+- invalid spec, no pod -> Failed with an `Invalid` condition naming the fields; while a
+  pod runs, the pod is kept (a typo never kills a run) and only `Invalid` is set;
+- suspend: true -> the pod is deleted, status kept, phase Suspended; false -> a new pod (the
+  learner resumes from the last checkpoint) and the deadline clock restarts, as for Jobs;
 - a pod fails -> `failures` + 1; within backoffLimit a new pod (attempt + 1) after an
   exponential backoff, else Failed (BackoffLimitExceeded);
-- a changed `restartId` -> a new pod (not counted as a failure);
+- a changed `restartId` -> a new pod with the current spec (not counted as a failure);
 - activeDeadlineSeconds passed -> pod deleted, Failed (DeadlineExceeded);
-- finished + ttlSecondsAfterFinished passed -> the job is deleted;
-- a spec change the running pod cannot take (anything but the lifecycle fields) is refused:
-  a `SpecChangeRefused` condition names the fields, the pod keeps running the old spec.
+- finished (or Failed as invalid) + ttlSecondsAfterFinished passed -> the job is deleted;
+- a spec change other than the lifecycle fields while the job runs is refused: a
+  `SpecChangeRefused` condition names the fields (apply it with a new restartId, or by
+  suspending and resuming);
+- no new pod while an old one of the job is still terminating (two learners never write
+  the same checkpoints).
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-import yaml
-
 from orbit_operator.job_spec import RLTrainingJobSpec
-from orbit_operator.pod import CONFIG_FILE, build_configmap, build_pod, object_names
+from orbit_operator.pod import applied_spec, build_configmap, build_pod, object_names
 from orbit_operator.settings import OperatorSettings
 from orbit_operator.status import TERMINAL, backoff_seconds, phase_of_pod, progress_from_learner, set_condition
 from orbit_operator.validation import validate_job
@@ -78,141 +86,192 @@ def _flat(data: dict, prefix: str = "") -> dict:
     return out
 
 
-def refused_changes(configmap: dict | None, desired: dict) -> list[str]:
-    """Fields whose value differs between the ConfigMap the pod runs and what the spec now asks for."""
-    if configmap is None:
+def _spec_fields(spec: RLTrainingJobSpec) -> dict:
+    return _flat({k: v for k, v in spec.model_dump(mode="json").items() if k not in LIFECYCLE_FIELDS})
+
+
+def refused_changes(applied: RLTrainingJobSpec | None, spec: RLTrainingJobSpec) -> list[str]:
+    """Fields (other than the lifecycle ones) whose value differs between the applied spec and the current one."""
+    if applied is None:
         return []
-    try:
-        running = yaml.safe_load(configmap.get("data", {}).get(CONFIG_FILE, "")) or {}
-        wanted = yaml.safe_load(desired["data"][CONFIG_FILE])
-    except yaml.YAMLError:
-        return ["(the ConfigMap is unreadable)"]
-    return describe_differences(_flat(running), _flat(wanted), labels=("running", "spec"))
+    return describe_differences(_spec_fields(applied), _spec_fields(spec), labels=("running", "spec"))
+
+
+def _pending_reason(pod: dict) -> str:
+    """Why a pod has not started: a container waiting reason (ImagePullBackOff, CreateContainerConfigError, ...)
+    or the scheduler's message; empty if it is just starting."""
+    status = pod.get("status") or {}
+    for container in [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]:
+        waiting = (container.get("state") or {}).get("waiting") or {}
+        if waiting.get("reason") not in (None, "ContainerCreating", "PodInitializing"):
+            return f"{container.get('name')}: {waiting['reason']}" + (f" ({waiting['message']})" if waiting.get("message") else "")
+    for condition in status.get("conditions") or []:
+        if condition.get("type") == "PodScheduled" and condition.get("status") == "False":
+            return f"unschedulable: {condition.get('message') or condition.get('reason', '')}"
+    return ""
+
+
+def _raw_ttl(job: dict) -> int | None:
+    value = (job.get("spec") or {}).get("ttlSecondsAfterFinished") if isinstance(job.get("spec"), dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def _ttl_plan(status: dict, ttl: int | None, now: datetime) -> Plan:
+    """A finished job: deleted once its TTL passed, else looked at again then."""
+    finished = _time(status.get("completionTime"))
+    if ttl is None or finished is None:
+        return Plan(status)
+    due = finished + timedelta(seconds=ttl)
+    return Plan(status, delete_job=True) if now >= due else Plan(status, requeue_after=(due - now).total_seconds())
 
 
 def plan(observed: Observed, settings: OperatorSettings) -> Plan:  # noqa: C901 - one decision table, read top to bottom
     job, now = observed.job, observed.now
-    meta, status = job.get("metadata", {}), dict(job.get("status") or {})
+    meta, status = job.get("metadata", {}), copy.deepcopy(dict(job.get("status") or {}))
     name, namespace = meta.get("name", ""), meta.get("namespace", "default")
     stamp = now.strftime(TIME_FORMAT)
     status["observedGeneration"] = meta.get("generation")
     conditions = list(status.get("conditions") or [])
+    old_conditions = {c.get("type"): c for c in conditions}
     old_phase = status.get("phase")
     events: list[tuple[str, str, str]] = []
+    active = _active(observed.pods)
 
-    def finish(phase: str, **extra) -> Plan:
-        status.update(phase=phase, conditions=conditions, **{k: v for k, v in extra.items() if k != "plan"})
-        result = extra.get("plan") or Plan(status)
+    def finish(phase: str, result: Plan | None = None, **extra) -> Plan:
+        status.update(phase=phase, conditions=conditions, **extra)
+        result = result or Plan(status)
         result.status = status
         if phase != old_phase:
             events.append(("Warning" if phase == "Failed" else "Normal", phase, f"{old_phase or 'New'} -> {phase}"))
         result.events = events + result.events
         return result
 
-    check = validate_job(job, f"RLTrainingJob {namespace}/{name}", settings.max_gpus_per_node)
+    def newly(type_: str, message: str) -> bool:
+        """Is condition TYPE being set True with this message for the first time (post its event once)?"""
+        old = old_conditions.get(type_)
+        return not (old and old.get("status") == "True" and old.get("message") == message)
+
+    check = validate_job(job, f"RLTrainingJob {namespace}/{name}", settings.max_gpus_per_node, settings.allow_image_override)
     if not check.ok:
         message = "; ".join(check.errors)[:1000]
+        if newly("Invalid", message):
+            events.append(("Warning", "Invalid", message))
         conditions = set_condition(conditions, "Invalid", True, "InvalidSpec", message, stamp)
+        if active:  # keep the run: only a fresh start needs a valid spec
+            return finish(old_phase or "Running")
         conditions = set_condition(conditions, "Ready", False, "InvalidSpec", "the spec is invalid", stamp)
-        events.append(("Warning", "Invalid", message))
-        return finish("Failed", plan=Plan(status, delete_pods=_active(observed.pods)))
-    was_invalid = any(c.get("type") == "Invalid" for c in conditions)
+        status.setdefault("completionTime", stamp)
+        return finish("Failed", _ttl_plan(status, _raw_ttl(job), now))
+    was_invalid_failure = old_phase == "Failed" and old_conditions.get("Invalid", {}).get("status") == "True"
     conditions = [c for c in conditions if c.get("type") != "Invalid"]
     spec: RLTrainingJobSpec = check.spec  # type: ignore[assignment]
-    if was_invalid and old_phase == "Failed":  # the spec was fixed: the job starts now
+    if was_invalid_failure:  # the spec was fixed: the job starts now
         old_phase = None
+        status.pop("completionTime", None)
+        status["reapply"] = True
         events.append(("Normal", "SpecFixed", "the spec is valid now"))
 
     if old_phase in TERMINAL:
-        ttl, finished = spec.ttlSecondsAfterFinished, _time(status.get("completionTime"))
-        if ttl is not None and finished is not None:
-            due = finished + timedelta(seconds=ttl)
-            if now >= due:
-                return finish(old_phase, plan=Plan(status, delete_job=True))
-            return finish(old_phase, plan=Plan(status, requeue_after=(due - now).total_seconds()))
-        return finish(old_phase)
+        return finish(old_phase, _ttl_plan(status, spec.ttlSecondsAfterFinished, now))
 
     attempt, failures = int(status.get("attempt", 0)), int(status.get("failures", 0))
-    desired_configmap = build_configmap(name, namespace, spec, settings)
     pod_name = object_names(name, attempt)["pod"]
     pod = next((p for p in observed.pods if p["metadata"]["name"] == pod_name), None)
-    active = _active(observed.pods)
+    applied = applied_spec(observed.configmap)
 
     if spec.suspend:
         conditions = set_condition(conditions, "Suspended", True, "Suspended", "spec.suspend is true", stamp)
         if active:  # the next pod gets a new name: never confused with the one still terminating
             status["attempt"] = attempt + 1
-        return finish("Suspended", plan=Plan(status, delete_pods=active))
+        status["reapply"] = True
+        return finish("Suspended", Plan(status, delete_pods=active))
     conditions = [c for c in conditions if c.get("type") != "Suspended"]
     started = _time(status.get("startTime"))
-    if spec.activeDeadlineSeconds is not None and started is not None:
+    if spec.activeDeadlineSeconds is not None and started is not None and old_phase != "Suspended":
         if now >= started + timedelta(seconds=spec.activeDeadlineSeconds):
             conditions = set_condition(conditions, "Failed", True, "DeadlineExceeded",
                                        f"ran longer than activeDeadlineSeconds ({spec.activeDeadlineSeconds})", stamp)  # fmt: skip
-            return finish("Failed", completionTime=stamp, plan=Plan(status, delete_pods=active))
+            return finish("Failed", Plan(status, delete_pods=active), completionTime=stamp)
 
-    changes = refused_changes(observed.configmap, desired_configmap) if active else []
+    if status.get("restartId", "") != spec.restartId and "podName" not in status:
+        status["restartId"] = spec.restartId  # set from the start: nothing to restart
+    if status.get("restartId", "") != spec.restartId:
+        events.append(("Normal", "Restarting", f"restartId changed to {spec.restartId!r}: a new pod with the current spec"))
+        status.update(restartId=spec.restartId, reapply=True)
+        if active:
+            status["attempt"] = attempt + 1
+            return finish(old_phase or "Pending", Plan(status, delete_pods=active))
+    reapply = bool(status.get("reapply")) or applied is None
+    changes = [] if reapply else refused_changes(applied, spec)
     if changes:
-        conditions = set_condition(conditions, "SpecChangeRefused", True, "ImmutableWhileRunning",
-                                   "cannot change while the pod runs (suspend the job first): " + "; ".join(changes)[:900], stamp)  # fmt: skip
-        if not any(c.get("type") == "SpecChangeRefused" and c.get("status") == "True" for c in status.get("conditions") or []):
+        message = "cannot change while the job runs (set a new restartId, or suspend and resume): " + "; ".join(changes)
+        if newly("SpecChangeRefused", message[:900]):
             events.append(("Warning", "SpecChangeRefused", "; ".join(changes)[:900]))
+        conditions = set_condition(conditions, "SpecChangeRefused", True, "ImmutableWhileRunning", message[:900], stamp)
     else:
         conditions = [c for c in conditions if c.get("type") != "SpecChangeRefused"]
 
-    if pod is not None and status.get("restartId", "") != spec.restartId and pod_name in active:
-        events.append(("Normal", "Restarting", f"restartId changed to {spec.restartId!r}: new pod"))
-        status.update(attempt=attempt + 1, restartId=spec.restartId)
-        return finish(old_phase or "Pending", plan=Plan(status, delete_pods=active, requeue_after=1.0))
-    status["restartId"] = spec.restartId
-
     if pod is None:
+        if any(p["metadata"].get("deletionTimestamp") for p in observed.pods):
+            return finish(old_phase or "Pending", Plan(status, requeue_after=2.0))  # wait until the old pod is gone
         retry_at = _time(status.get("nextAttemptAt"))
         if retry_at is not None and now < retry_at:
-            return finish(old_phase or "Pending", plan=Plan(status, requeue_after=(retry_at - now).total_seconds()))
-        new_pod = build_pod(name, namespace, spec, settings, attempt)
-        status.update(podName=pod_name, startTime=status.get("startTime") or stamp)
-        status.pop("nextAttemptAt", None)
+            return finish(old_phase or "Pending", Plan(status, requeue_after=(retry_at - now).total_seconds()))
+        use = spec if reapply else applied
+        new_pod = build_pod(name, namespace, use, settings, attempt)  # type: ignore[arg-type]
+        if old_phase == "Suspended" or not status.get("startTime"):
+            status["startTime"] = stamp  # the deadline counts from the (re)start
+        status.update(podName=pod_name)
+        for key in ("nextAttemptAt", "reapply"):
+            status.pop(key, None)
         conditions = set_condition(conditions, "Ready", False, "PodCreated", f"pod {pod_name} created", stamp)
         events.append(("Normal", "PodCreated", f"created pod {pod_name} (attempt {attempt})"))
-        # no pod runs: the ConfigMap may be (re)written with the current spec
-        return finish("Pending", plan=Plan(status, create_configmap=desired_configmap, create_pod=new_pod, requeue_after=2.0))
+        configmap = build_configmap(name, namespace, use, settings) if reapply else None  # type: ignore[arg-type]
+        return finish("Pending", Plan(status, create_configmap=configmap, create_pod=new_pod, requeue_after=2.0))
 
     pod_phase = phase_of_pod(pod)
+    status["podName"] = pod_name  # also for a pod an operator created just before it died (adopted)
+    status.setdefault("startTime", stamp)
     if observed.learner_status is not None:
         status["progress"] = progress_from_learner(observed.learner_status)
     if pod_phase == "Succeeded":
         conditions = set_condition(conditions, "Complete", True, "LearnerSucceeded", f"pod {pod_name} finished", stamp)
         conditions = set_condition(conditions, "Ready", False, "Finished", "the job finished", stamp)
-        return finish("Succeeded", completionTime=stamp, plan=Plan(status, requeue_after=_ttl_wait(spec)))
+        return finish("Succeeded", _ttl_plan({**status, "completionTime": stamp}, spec.ttlSecondsAfterFinished, now),
+                      completionTime=stamp)  # fmt: skip
     if pod_phase == "Failed":
         failures += 1
         reason = _failure_reason(pod)
         if failures > spec.backoffLimit:
             conditions = set_condition(conditions, "Failed", True, "BackoffLimitExceeded",
                                        f"{failures} pod failures, backoffLimit {spec.backoffLimit}; last: {reason}", stamp)  # fmt: skip
-            return finish("Failed", failures=failures, completionTime=stamp, plan=Plan(status, requeue_after=_ttl_wait(spec)))
+            return finish("Failed", failures=failures, completionTime=stamp)
         delay = backoff_seconds(failures, base=settings.backoff_base_seconds)
         retry_at = now + timedelta(seconds=delay)
         events.append(("Warning", "PodFailed", f"pod {pod_name} failed ({reason}); new pod in {delay:.0f}s "
                                                f"({failures}/{spec.backoffLimit} failures)"))  # fmt: skip
         conditions = set_condition(conditions, "Ready", False, "PodFailed", reason, stamp)
         status.update(failures=failures, attempt=attempt + 1, nextAttemptAt=retry_at.strftime(TIME_FORMAT))
-        return finish("Pending", plan=Plan(status, requeue_after=delay))
+        return finish("Pending", Plan(status, requeue_after=delay))
     ready = pod_phase == "Running"
-    conditions = set_condition(conditions, "Ready", ready, "PodRunning" if ready else "PodStarting",
-                               f"pod {pod_name} is {pod_phase.lower()}", stamp)  # fmt: skip
-    return finish(pod_phase, attempt=attempt, failures=failures, plan=Plan(status, requeue_after=settings.status_poll_seconds))
+    waiting = "" if ready else _pending_reason(pod)
+    conditions = set_condition(conditions, "Ready", ready, "PodRunning" if ready else ("PodWaiting" if waiting else "PodStarting"),
+                               waiting or f"pod {pod_name} is {pod_phase.lower()}", stamp)  # fmt: skip
+    return finish(pod_phase, Plan(status, requeue_after=settings.status_poll_seconds), attempt=attempt, failures=failures)
+
+
+def pod_rejected(status: dict, message: str, now: datetime) -> dict:
+    """The status after the API server refused the job's pod (403 by Pod Security admission, 422 for a
+    malformed toleration, a missing priority class, ...): Failed, with the server's reason."""
+    stamp = now.strftime(TIME_FORMAT)
+    conditions = set_condition(list(status.get("conditions") or []), "Failed", True, "PodRejected", message[:1000], stamp)
+    return {**status, "phase": "Failed", "conditions": conditions, "completionTime": stamp}
 
 
 def _active(pods: list[dict]) -> list[str]:
     """Names of pods that have not finished (to delete on suspend, deadline, restart)."""
     return [p["metadata"]["name"] for p in pods if (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
             and not p["metadata"].get("deletionTimestamp")]  # fmt: skip
-
-
-def _ttl_wait(spec: RLTrainingJobSpec) -> float | None:
-    return float(spec.ttlSecondsAfterFinished) if spec.ttlSecondsAfterFinished is not None else None
 
 
 def _failure_reason(pod: dict) -> str:

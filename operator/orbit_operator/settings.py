@@ -27,6 +27,7 @@ class OperatorSettings:
     run_as_user: int = 1000  # the runtime image's non-root user; the cache root must be writable by it
     status_poll_seconds: float = 10.0  # how often each job is reconciled and its learner polled
     learner_status_port: int = 9400
+    allow_image_override: bool = False  # may a job set resources.<role>.image? (its learner gets the job's Secrets)
     backoff_base_seconds: float = 10.0  # first delay before a failed pod is replaced; doubles, at most 5 minutes
     extra_pod_env: dict[str, str] = field(default_factory=dict)
 
@@ -42,7 +43,8 @@ class OperatorSettings:
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> OperatorSettings:
         """ORBIT_CACHE_ROOT, ORBIT_RUNTIME_IMAGE, ORBIT_NAMESPACES (comma-separated), ORBIT_MAX_GPUS_PER_NODE,
-        ORBIT_RUN_AS_USER, ORBIT_STATUS_POLL_SECONDS, ORBIT_LEARNER_STATUS_PORT, ORBIT_BACKOFF_BASE_SECONDS."""
+        ORBIT_RUN_AS_USER, ORBIT_STATUS_POLL_SECONDS, ORBIT_LEARNER_STATUS_PORT, ORBIT_BACKOFF_BASE_SECONDS,
+        ORBIT_ALLOW_IMAGE_OVERRIDE."""
         env = dict(os.environ if env is None else env)
 
         def number(name: str, default, kind=int):
@@ -63,4 +65,5 @@ class OperatorSettings:
             status_poll_seconds=number("ORBIT_STATUS_POLL_SECONDS", 10.0, float),
             learner_status_port=number("ORBIT_LEARNER_STATUS_PORT", 9400),
             backoff_base_seconds=number("ORBIT_BACKOFF_BASE_SECONDS", 10.0, float),
+            allow_image_override=env.get("ORBIT_ALLOW_IMAGE_OVERRIDE", "false").lower() in ("1", "true", "yes"),
         )

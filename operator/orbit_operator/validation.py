@@ -102,9 +102,13 @@ def _safe_relative(path: str) -> bool:
     return bool(path) and not path.startswith("/") and ".." not in path.split("/") and "\x00" not in path and "\\" not in path
 
 
-def _cluster_rules(spec: RLTrainingJobSpec, max_gpus_per_node: int) -> list[str]:
+def _cluster_rules(spec: RLTrainingJobSpec, max_gpus_per_node: int, allow_image_override: bool) -> list[str]:
     """What the schema cannot say (see the module docstring)."""
     errors = []
+    for role in ("rollout", "reference", "learner"):
+        if getattr(spec.resources, role).image and not allow_image_override:
+            errors.append(f"spec.resources.{role}.image: image overrides are disabled by the operator (ORBIT_ALLOW_IMAGE_OVERRIDE): "
+                          "a custom image would receive the job's Secrets")  # fmt: skip
     roles = spec.resources
     gpus = roles.rollout.gpus + roles.reference.gpus + roles.learner.gpus
     if gpus > max_gpus_per_node:
@@ -133,7 +137,7 @@ def _cluster_rules(spec: RLTrainingJobSpec, max_gpus_per_node: int) -> list[str]
     return errors
 
 
-def validate_job(document: Any, source: str = "manifest", max_gpus_per_node: int = 8) -> JobCheck:
+def validate_job(document: Any, source: str = "manifest", max_gpus_per_node: int = 8, allow_image_override: bool = False) -> JobCheck:
     """Check one RLTrainingJob manifest (a parsed YAML/JSON document); MAX_GPUS_PER_NODE is the operator's setting."""
     if not isinstance(document, dict):
         return JobCheck(None, errors=[f"{source}: expected a mapping (an RLTrainingJob), got {type(document).__name__}"])
@@ -163,5 +167,5 @@ def validate_job(document: Any, source: str = "manifest", max_gpus_per_node: int
     except RecursionError:
         errors.append("spec: nested too deeply")
         return check
-    errors.extend(_cluster_rules(check.spec, max_gpus_per_node))
+    errors.extend(_cluster_rules(check.spec, max_gpus_per_node, allow_image_override))
     return check

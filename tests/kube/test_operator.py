@@ -29,12 +29,12 @@ JOB_PATH = KubeEmulator.path(RLJOBS, NS, JOB)
 
 
 @contextlib.contextmanager
-def operator_process(kube: KubeEmulator, log_path: Path, status_port: int):
-    """`python -m orbit_operator`, as the chart runs it, with short test intervals."""
+def operator_process(kube: KubeEmulator, log_path: Path, status_port: int, extra_env: dict[str, str] | None = None):
+    """`python -m orbit_operator` (the operator image's entrypoint), with short test intervals."""
     env = {**kube.env(), "PYTHONUNBUFFERED": "1", "ORBIT_STATUS_POLL_SECONDS": "0.5", "ORBIT_BACKOFF_BASE_SECONDS": "1",
            "ORBIT_LEARNER_STATUS_PORT": str(status_port), "ORBIT_LIVENESS_PORT": str(free_port("127.0.0.1")),
            "ORBIT_METRICS_PORT": str(free_port("127.0.0.1")), "ORBIT_BIND_ADDRESS": "127.0.0.1",
-           "ORBIT_CACHE_ROOT": "/var/lib/orbit-test/bases"}  # fmt: skip
+           "ORBIT_CACHE_ROOT": "/var/lib/orbit-test/bases", **(extra_env or {})}  # fmt: skip
     with open(log_path, "ab") as log:
         proc = subprocess.Popen([sys.executable, "-m", "orbit_operator"], env=env, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
         proc.env = env  # type: ignore[attr-defined]
@@ -159,14 +159,16 @@ def test_an_operator_killed_mid_reconcile_creates_no_duplicate_pod(kube: KubeEmu
     status_port = free_port("127.0.0.1")
     log = tmp_path / "operator.log"
     kube.kubectl("apply", "--validate=false", "-f", "examples/rljob-cpu.yaml")
-    with operator_process(kube, log, status_port) as proc:
-        wait(kube, lambda: pods(kube), "the first pod")
-        proc.kill()  # SIGKILL: right after creating the pod, possibly before writing the status
-        proc.wait()
+    # the operator dies right after creating the pod, before the status records it (the worst moment)
+    with operator_process(kube, log, status_port, extra_env={"ORBIT_FAULT_EXIT_AFTER_POD_CREATE": "1"}) as proc:
+        assert proc.wait(30) == 70
+    assert list(pods(kube)) == [f"{JOB}-0"] and "podName" not in status(kube)
     with operator_process(kube, log, status_port):
-        wait(kube, lambda: status(kube).get("phase") == "Pending" and status(kube).get("podName"), "status after restart")
+        wait(kube, lambda: status(kube).get("phase") == "Pending" and status(kube).get("podName") == f"{JOB}-0", "status after restart")
         time.sleep(2)  # several reconciles
-        assert list(pods(kube)) == [f"{JOB}-0"]
+        assert list(pods(kube)) == [f"{JOB}-0"]  # adopted, not duplicated
+        created = [e for e in kube.events(involved_name=JOB) if e["reason"] == "PodCreated"]
+        assert len(created) <= 1  # the adopted pod is not announced again
 
 
 def test_bad_jobs_fail_invalid_naming_the_field_while_a_good_job_proceeds(kube: KubeEmulator, tmp_path: Path) -> None:

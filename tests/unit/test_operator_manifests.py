@@ -3,6 +3,7 @@ spec (and not drifted from the checked-in file), the pod and ConfigMap (valid Ku
 strict), the examples, and the rejection of malformed or hostile manifests by the same
 check `orbit validate` and the operator use."""
 
+import re
 from pathlib import Path
 
 import jsonschema
@@ -108,14 +109,17 @@ def test_pod_layout_mounts_security_and_resources():
     assert host["path"] == "/mnt/orbit-cache"  # the operator's root, never the job's
     for container in (rollout, reference, learner):
         base = [m for m in container["volumeMounts"] if m["mountPath"] == BASE_MOUNT]
-        assert base and base[0]["readOnly"] is True and base[0]["subPath"].startswith("base-")
+        assert base and base[0]["readOnly"] is True and re.fullmatch(r"base-[0-9a-f]{20}/model", base[0]["subPath"])
         assert container["securityContext"]["readOnlyRootFilesystem"] is True
         assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
         assert container["securityContext"]["allowPrivilegeEscalation"] is False
         assert container["startupProbe"]["httpGet"]["path"] == "/healthz"
         assert container["ports"][0]["name"] == container["name"]
     cache = [m for m in init["volumeMounts"] if m["name"] == "base-cache"]
-    assert cache and not cache[0].get("readOnly")  # only prepare-base writes the cache
+    assert cache and not cache[0].get("readOnly")  # only prepare-base writes the cache ...
+    assert cache[0]["subPath"] + "/model" == base[0]["subPath"]  # ... and only this job's directory of it
+    data = [m for m in learner["volumeMounts"] if m["name"] == "base-source"]
+    assert data == [{"name": "base-source", "mountPath": "/data", "readOnly": True}]  # file data, read-only
     adapters = {c["name"]: m for c in (rollout, learner) for m in c["volumeMounts"] if m["name"] == "adapters"}
     assert adapters["rollout"]["readOnly"] is True and not adapters["learner"].get("readOnly")
     assert learner["envFrom"] == [{"secretRef": {"name": "orbit-s3"}}]
@@ -124,6 +128,14 @@ def test_pod_layout_mounts_security_and_resources():
     assert body["securityContext"]["runAsNonRoot"] is True and body["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
     assert body["automountServiceAccountToken"] is False
     assert body["tolerations"][0]["key"] == "nvidia.com/gpu" and body["priorityClassName"] == "rl-training"
+
+
+def test_image_overrides_need_the_operators_permission():
+    job = _example("rljob-cpu.yaml")
+    job["spec"]["resources"]["learner"]["image"] = "evil/exfiltrate:latest"
+    check = validate_job(job)
+    assert not check.ok and "spec.resources.learner.image: image overrides are disabled" in check.errors[0]
+    assert validate_job(job, allow_image_override=True).ok
 
 
 def test_configmap_holds_the_runtime_config_the_learner_reads():
@@ -141,9 +153,11 @@ def test_the_base_cache_directory_is_derived_never_taken_from_the_job():
     b = RLTrainingJobSpec.model_validate({"base": {"uri": "s3://models/b"}})
     from orbit_operator.pod import base_cache_dir
 
-    assert base_cache_dir(a) != base_cache_dir(b) and base_cache_dir(a) == base_cache_dir(a.model_copy())
-    assert all(ch in "0123456789abcdef-base" for ch in base_cache_dir(a))
-    assert base_cache_dir(RLTrainingJobSpec.model_validate({"base": {"format": "int4", "nodeCache": "demo"}})) == "named/demo"
+    assert base_cache_dir(a, "team-a") != base_cache_dir(b, "team-a") and base_cache_dir(a, "team-a") == base_cache_dir(a.model_copy(), "team-a")
+    assert base_cache_dir(a, "team-a") != base_cache_dir(a, "team-b")  # another namespace never shares a copy
+    assert re.fullmatch(r"base-[0-9a-f]{20}", base_cache_dir(a, "team-a"))
+    named = RLTrainingJobSpec.model_validate({"base": {"format": "int4", "nodeCache": "demo"}})
+    assert base_cache_dir(named, "team-a") == "named/demo"
 
 
 GOOD = _example("rljob-cpu.yaml")

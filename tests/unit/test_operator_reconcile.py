@@ -92,7 +92,7 @@ def test_suspend_deletes_the_pod_keeps_status_and_resume_starts_a_new_one():
 
 
 def test_restart_id_deadline_ttl_and_success():
-    status = {"phase": "Running", "attempt": 0, "restartId": "", "startTime": "2026-11-30T12:00:00Z"}
+    status = {"phase": "Running", "attempt": 0, "restartId": "", "podName": "quickstart-cpu-0", "startTime": "2026-11-30T12:00:00Z"}
     running = [pod("quickstart-cpu-0", "Running")]
     restarted = plan(Observed(job(status, restartId="again"), running, configmap(JOB), T0), SETTINGS)
     assert restarted.delete_pods == ["quickstart-cpu-0"] and restarted.status["attempt"] == 1
@@ -117,6 +117,67 @@ def test_a_spec_change_the_running_pod_cannot_take_is_refused_naming_the_field()
     lifecycle_only = job(status, backoffLimit=5)
     assert not any(c["type"] == "SpecChangeRefused" for c in plan(Observed(lifecycle_only, [pod("quickstart-cpu-0", "Running")],
                                                                           configmap(JOB), T0), SETTINGS).status["conditions"])
+
+
+RUNNING = {"phase": "Running", "attempt": 0, "podName": "quickstart-cpu-0", "startTime": "2026-11-30T12:00:00Z"}
+
+
+def test_an_invalid_edit_while_running_keeps_the_pod_and_warns_once():
+    bad = job(RUNNING, rollout={**JOB["spec"]["rollout"], "temprature": 0.7})  # a typo in kubectl edit
+    decided = plan(Observed(bad, [pod("quickstart-cpu-0", "Running")], configmap(JOB), T0), SETTINGS)
+    assert not decided.delete_pods and decided.status["phase"] == "Running"
+    invalid = [c for c in decided.status["conditions"] if c["type"] == "Invalid"][0]
+    assert "spec.rollout.temprature" in invalid["message"]
+    assert [e[1] for e in decided.events] == ["Invalid"]
+    again = plan(Observed(job(decided.status, rollout=bad["spec"]["rollout"]), [pod("quickstart-cpu-0", "Running")], configmap(JOB),
+                          T0 + timedelta(seconds=10)), SETTINGS)  # fmt: skip
+    assert again.events == []  # the next timer tick posts nothing new
+
+
+def test_a_replacement_pod_uses_the_applied_spec_not_a_refused_change():
+    changed = job(RUNNING, rollout={**JOB["spec"]["rollout"], "max_tokens": 64})
+    failed = [pod("quickstart-cpu-0", "Failed")]
+    first = plan(Observed(changed, failed, configmap(JOB), T0), SETTINGS)
+    assert any(c["type"] == "SpecChangeRefused" for c in first.status["conditions"])
+    retry = plan(Observed(job(first.status, rollout=changed["spec"]["rollout"]), failed, configmap(JOB), T0 + timedelta(seconds=11)),
+                 SETTINGS)  # fmt: skip
+    assert retry.create_pod is not None and retry.create_configmap is None  # the ConfigMap (applied spec) stays
+    restarted = plan(Observed(job(RUNNING, rollout=changed["spec"]["rollout"], restartId="apply"), [pod("quickstart-cpu-0", "Running")],
+                              configmap(JOB), T0), SETTINGS)  # fmt: skip
+    assert restarted.delete_pods == ["quickstart-cpu-0"] and restarted.status["reapply"] is True
+    applied = plan(Observed(job(restarted.status, rollout=changed["spec"]["rollout"], restartId="apply"), [], configmap(JOB), T0),
+                   SETTINGS)  # fmt: skip
+    new_config = yaml.safe_load(applied.create_configmap["data"]["job.yaml"])
+    assert new_config["rollout"]["max_tokens"] == 64 and not any(c["type"] == "SpecChangeRefused" for c in applied.status["conditions"])
+
+
+def test_no_new_pod_while_the_old_one_terminates():
+    terminating = pod("quickstart-cpu-0", "Running")
+    terminating["metadata"]["deletionTimestamp"] = "2026-11-30T12:00:00Z"
+    status = {**RUNNING, "attempt": 1, "reapply": True}
+    decided = plan(Observed(job(status), [terminating], configmap(JOB), T0), SETTINGS)
+    assert decided.create_pod is None
+    assert plan(Observed(job(status), [], configmap(JOB), T0), SETTINGS).create_pod["metadata"]["name"] == "quickstart-cpu-1"
+
+
+def test_resume_restarts_the_deadline_clock_and_waiting_reasons_surface():
+    suspended = {**RUNNING, "phase": "Suspended", "attempt": 1, "reapply": True, "startTime": "2026-11-30T10:00:00Z"}
+    resumed = plan(Observed(job(suspended, activeDeadlineSeconds=3600), [], configmap(JOB), T0), SETTINGS)
+    assert resumed.create_pod is not None and resumed.status["startTime"] == "2026-11-30T12:00:00Z"
+    stuck = pod("quickstart-cpu-1", "Pending", containerStatuses=[
+        {"name": "learner", "state": {"waiting": {"reason": "ImagePullBackOff", "message": "no such image"}}}])  # fmt: skip
+    waiting = plan(Observed(job(resumed.status), [stuck], configmap(JOB), T0), SETTINGS)
+    ready = [c for c in waiting.status["conditions"] if c["type"] == "Ready"][0]
+    assert ready["reason"] == "PodWaiting" and "learner: ImagePullBackOff (no such image)" in ready["message"]
+
+
+def test_an_invalid_failed_job_is_deleted_after_its_ttl():
+    bad = job(rollout={"group_size": 0}, ttlSecondsAfterFinished=60)
+    failed = plan(Observed(bad, [], None, T0), SETTINGS)
+    assert failed.status["phase"] == "Failed" and not failed.delete_job
+    later = plan(Observed(job(failed.status, rollout={"group_size": 0}, ttlSecondsAfterFinished=60), [], None,
+                          T0 + timedelta(seconds=61)), SETTINGS)  # fmt: skip
+    assert later.delete_job
 
 
 def test_the_operator_never_imports_the_ml_stack():
