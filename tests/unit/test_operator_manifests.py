@@ -37,11 +37,51 @@ def test_checked_in_crd_is_generated_from_the_spec():
 
 def test_crd_names_scope_status_and_printer_columns():
     crd = crd_manifest()
+    # the CRD object itself (not the structural-schema rules, which need a real API server)
+    kubernetes_validate.validate(crd, K8S_VERSION, strict=True)
     assert crd["metadata"]["name"] == "rltrainingjobs.orbit.dev"
     version = crd["spec"]["versions"][0]
     assert (crd["spec"]["scope"], version["name"], crd["spec"]["names"]["shortNames"]) == ("Namespaced", "v1alpha1", ["rljob"])
     assert version["subresources"] == {"status": {}}
     assert [c["name"] for c in version["additionalPrinterColumns"]] == ["Phase", "Step", "Reward", "Held-out", "Age"]
+
+
+def _structural_problems(node: dict, path: str = "spec") -> list[str]:
+    """The apiextensions/v1 structural-schema rules a real API server enforces (no server runs here)."""
+    problems = []
+    for banned in ("$ref", "anyOf", "oneOf", "allOf", "not", "definitions", "$defs", "default", "title"):
+        if banned in node:
+            problems.append(f"{path}: {banned}")
+    if "type" not in node and not node.get("x-kubernetes-preserve-unknown-fields") and not node.get("x-kubernetes-int-or-string"):
+        problems.append(f"{path}: no type")
+    if "properties" in node and "additionalProperties" in node:
+        problems.append(f"{path}: properties and additionalProperties together")
+    if node.get("type") not in (None, "object", "array", "string", "integer", "number", "boolean"):
+        problems.append(f"{path}: type {node.get('type')!r}")
+    if "enum" in node and None in node["enum"] and not node.get("nullable"):
+        problems.append(f"{path}: null in enum without nullable")
+    for name, child in (node.get("properties") or {}).items():
+        problems += _structural_problems(child, f"{path}.{name}")
+    for key in ("items", "additionalProperties"):
+        if isinstance(node.get(key), dict):
+            problems += _structural_problems(node[key], f"{path}[{key}]")
+    return problems
+
+
+def test_the_spec_schema_is_structural():
+    schema = crd_manifest()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    assert _structural_problems(schema, "root") == []
+    nullable_enums = [p for p, n in _walk(schema) if n.get("nullable") and "enum" in n]
+    assert nullable_enums and all(None in n["enum"] for _, n in _walk(schema) if n.get("nullable") and "enum" in n)
+
+
+def _walk(node: dict, path: str = ""):
+    yield path, node
+    for name, child in (node.get("properties") or {}).items():
+        yield from _walk(child, f"{path}.{name}")
+    for key in ("items", "additionalProperties"):
+        if isinstance(node.get(key), dict):
+            yield from _walk(node[key], f"{path}[{key}]")
 
 
 def _json_path(document: dict, path: str):
