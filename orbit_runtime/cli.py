@@ -266,6 +266,30 @@ def validate(
         raise typer.Exit(code=1)
 
 
+@app.command("prepare-base")
+def prepare_base_command(
+    cache: Annotated[Path, typer.Option(help="This base's directory in the node cache (the pod mounts only it).")],
+    format: Annotated[str, typer.Option("--format", help="hf: quantize a Hugging Face checkpoint; int4: copy an INT4 base.")] = "hf",
+    source: Annotated[str | None, typer.Option(help="Source directory or s3:// prefix (none: the base must be there).")] = None,
+    group_size: Annotated[int, typer.Option(help="INT4 scale group size (format hf).")] = 128,
+) -> None:
+    """Put the INT4 base into the node cache once: verify it if it is there, else quantize or copy it
+    (atomic, under a lock shared by every pod on the node). The pod's init container."""
+    from orbit_runtime.base_cache import prepare_base
+
+    if format not in ("hf", "int4"):
+        console.print(f"[bold red]error:[/] --format must be hf or int4, got {format!r}")
+        raise typer.Exit(code=1)
+    try:
+        result = prepare_base(cache, format, source, group_size)  # type: ignore[arg-type]
+    except OrbitError as exc:
+        console.print(f"[bold red]error:[/] {exc}")
+        raise typer.Exit(code=1) from None
+    verb = {"verified": "reused (verified)", "quantized": "quantized", "copied": "copied and verified"}[result.action]
+    console.print(f"base {verb} in {result.seconds:.1f}s (waited {result.waited_for_lock_s:.1f}s for the lock): digest {result.digest}")
+    typer.echo(result.path)
+
+
 @app.command()
 def crd(
     out: Annotated[Path | None, typer.Option(help="Write here instead of stdout.")] = None,
