@@ -11,13 +11,14 @@ import typer
 from rich.console import Console
 
 from orbit_runtime.errors import OrbitError
+from orbit_runtime.role_commands import register as register_role_commands
 
 app = typer.Typer(
     help="Orbit: RL post-training on one frozen INT4 base shared by vLLM and the learner.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
 )
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)  # an error stays one line, whatever the terminal width
 
 
 def _fail(exc: Exception) -> None:
@@ -305,6 +306,8 @@ def crd(
     out.write_text(text)
     console.print(f"wrote {out}")
 
+
+register_role_commands(app, _fail, _configure_logging)
 
 if __name__ == "__main__":
     app()

@@ -9,6 +9,7 @@ from pathlib import Path
 @dataclass(frozen=True)
 class RunPaths:
     root: Path
+    adapters_dir: Path | None = None  # where adapter versions are published (the pod's shared volume); default root/adapters
 
     @property
     def metrics(self) -> Path:  # one JSON object per step / evaluation
@@ -28,7 +29,7 @@ class RunPaths:
 
     @property
     def adapters(self) -> Path:  # adapters/v<N>, see sync.adapter_sync.adapter_dir
-        return self.root / "adapters"
+        return self.adapters_dir or self.root / "adapters"
 
     @property
     def logs(self) -> Path:
@@ -49,9 +50,10 @@ class RunPaths:
 
         for path in (self.metrics, *(() if keep_samples else (self.samples,)), self.summary, self.report, self.processes):
             path.unlink(missing_ok=True)
-        shutil.rmtree(self.adapters, ignore_errors=True)
+        for old in self.adapters.glob("*"):  # the directory itself may be a mount point
+            shutil.rmtree(old, ignore_errors=True)
         shutil.rmtree(self.checkpoint_staging, ignore_errors=True)
-        self.adapters.mkdir(parents=True)
+        self.adapters.mkdir(parents=True, exist_ok=True)
 
     def create(self) -> RunPaths:
         for path in (self.root, self.adapters, self.logs):

@@ -7,7 +7,7 @@ One pod on one node:
   the job's namespace and source, or `named/<nodeCache>` for a base an administrator put
   there). It sees only that directory, and is the only writer; the base itself is its
   `model/` subdirectory, which the roles mount read-only.
-- `rollout` (vLLM) and `reference`: native sidecars (init containers with
+- `rollout` (vLLM: `orbit rollout`) and `reference` (`orbit reference`): native sidecars (init containers with
   `restartPolicy: Always`). They start before the learner, the kubelet restarts them in
   place when they crash (the learner waits, re-syncs, continues), and they stop when the
   learner ends - so the pod's outcome is the learner's.
@@ -130,9 +130,9 @@ def _security_context() -> dict:
     }
 
 
-def _probes(port_name: str, startup_seconds: int) -> dict:
-    """Startup (generous: loading a model), then readiness and liveness on the role's /healthz."""
-    get = {"httpGet": {"path": "/healthz", "port": port_name}}
+def _probes(port_name: str, startup_seconds: int, path: str) -> dict:
+    """Startup (generous: loading a model), then readiness and liveness on the role's health route."""
+    get = {"httpGet": {"path": path, "port": port_name}}
     return {
         "startupProbe": {**get, "periodSeconds": 10, "failureThreshold": max(1, startup_seconds // 10), "timeoutSeconds": 5},
         "readinessProbe": {**get, "periodSeconds": 10, "failureThreshold": 3, "timeoutSeconds": 5},
@@ -204,9 +204,10 @@ def build_pod(name: str, namespace: str, spec: RLTrainingJobSpec, settings: Oper
     if spec.base.pvc is not None:
         learner["volumeMounts"].append({"name": "base-source", "mountPath": DATA_MOUNT, "readOnly": True})
     ports = {**PORTS, "learner": settings.learner_status_port}
-    for container, startup in ((rollout, 1800), (reference, 900), (learner, 1800)):
+    # vLLM's health route is /health; Orbit's roles serve /healthz
+    for container, startup, path in ((rollout, 1800, "/health"), (reference, 900, "/healthz"), (learner, 1800, "/healthz")):
         container["ports"] = [{"name": container["name"][:15], "containerPort": ports[container["name"]], "protocol": "TCP"}]
-        container.update(_probes(container["name"][:15], startup))
+        container.update(_probes(container["name"][:15], startup, path))
     for sidecar in (rollout, reference):
         sidecar["restartPolicy"] = "Always"  # a native sidecar: restarted in place, stopped after the learner
     if spec.checkpoint.credentialsSecret:

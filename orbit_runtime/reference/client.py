@@ -25,6 +25,12 @@ class ReferenceClient:
             raise RuntimeError(f"reference /v1/logprobs returned {response.status_code}: {response.text[:300]}")
         return [torch.tensor(x) for x in response.json()["logprobs"]]
 
+    def healthy(self) -> bool:
+        try:
+            return self._http.get("/healthz", timeout=5.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
     def close(self) -> None:
         self._http.close()
 

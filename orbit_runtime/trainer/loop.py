@@ -53,7 +53,7 @@ from orbit_runtime.trainer.checkpointing import (
 )
 from orbit_runtime.trainer.evaluation import Evaluator
 from orbit_runtime.trainer.recorder import RunRecorder, RunState, sample_rows, status_document, step_row
-from orbit_runtime.trainer.roles import ReferenceRole, RolloutRole, rollout_server_config
+from orbit_runtime.trainer.roles import ExternalRoles, ReferenceRole, RolloutRole, rollout_server_config
 from orbit_runtime.trainer.rollback import StepSnapshot
 from orbit_runtime.trainer.stopping import StopController, Stopped
 
@@ -81,11 +81,13 @@ class Trainer:
 
     ROLLOUT_PROBE_INTERVAL_S = 5.0
 
-    def __init__(self, spec: JobSpec, console=None, *, resume: bool = False, resume_from: str | None = None) -> None:
+    def __init__(self, spec: JobSpec, console=None, *, resume: bool = False, resume_from: str | None = None,
+                 external: ExternalRoles | None = None) -> None:  # fmt: skip
         from transformers import AutoTokenizer
 
         self.spec, self.console = spec, console
-        self.paths = RunPaths(Path(spec.run.output_dir) / spec.run.name).create()
+        external = external or ExternalRoles()
+        self.paths = RunPaths(Path(spec.run.output_dir) / spec.run.name, external.adapters_dir).create()
         self.base_digest = read_base_digest(Path(spec.model.path))  # OrbitError if the base changed after quantize
         self.config_fields = training_fields(spec, base_digest=self.base_digest)
         self.config_hash = config_hash(self.config_fields)
@@ -115,9 +117,11 @@ class Trainer:
         self.recorder = RunRecorder(self.paths, self.state, spec.run.name)
         self.stop = StopController()
         self.rollout = RolloutRole(rollout_server_config(spec, self.paths.logs / "vllm.log", self.device), canary_pairs(spec, self.tokenizer, self.splits.validation),
-                                   spec.canary_tolerance(), spec.sync.retries, spec.rollout.max_restarts)  # fmt: skip
+                                   spec.canary_tolerance(), spec.sync.retries, spec.rollout.max_restarts,
+                                   external.rollout_url, external.wait_s)  # fmt: skip
         self.reference = ReferenceRole(spec.reference.mode, self.policy, Path(spec.model.path), self.learner_dtype,
-                                       self.paths.logs / "reference.log", spec.reference.max_restarts, self.limits)  # fmt: skip
+                                       self.paths.logs / "reference.log", spec.reference.max_restarts, self.limits,
+                                       external.reference_url, external.wait_s)  # fmt: skip
         self.builder = BatchBuilder(spec, self.tokenizer, RewardScorer(spec.rewards), self.rollout, self.reference)
         self.evaluator = Evaluator(spec, self.tokenizer, self.builder, self.rollout, self.splits.validation)
         self.metrics_server: MetricsServer | None = None

@@ -11,7 +11,9 @@ verified against the canary expectations kept for THAT version.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
@@ -53,19 +55,35 @@ def rollout_server_config(spec: JobSpec, log_path: Path, learner_device: torch.d
                             enable_prefix_caching=rollout.enable_prefix_caching, max_num_seqs=rollout.max_num_seqs)  # fmt: skip
 
 
+@dataclass(frozen=True)
+class ExternalRoles:
+    """In a pod the roles are containers: the learner reaches them at URLs and publishes adapters
+    into the volume the rollout reads. Unset: `orbit train` starts them as child processes."""
+
+    rollout_url: str | None = None
+    reference_url: str | None = None
+    adapters_dir: Path | None = None
+    wait_s: float = 600.0  # how long to wait for a role to answer (at start, or after it restarted)
+
+
 class RoleDied(RuntimeError):
     """A role server died more often than the run allows."""
 
 
 class SupervisedRole:
-    """A role server restarted when it dies. Subclasses build the server and its client."""
+    """A role server restarted when it dies. Subclasses build the server and its client.
+
+    With a URL the server is external (a container of the pod, restarted by the kubelet): it is
+    waited for, never started; when it stops answering, the role waits for it to come back (at
+    most `wait_s`), counts a restart, restores its state (`_after_restart`) and retries."""
 
     role = "role"
 
-    def __init__(self, max_restarts: int, restarts_metric) -> None:
+    def __init__(self, max_restarts: int, restarts_metric, url: str | None = None, wait_s: float = 600.0) -> None:
         self.max_restarts = max_restarts
         self.restarts = 0
         self.server: ManagedServer | None = None
+        self.url, self.wait_s = url, wait_s
         self._restarts_metric = restarts_metric
 
     def start(self) -> None:
@@ -74,29 +92,58 @@ class SupervisedRole:
     def stop(self) -> None:
         raise NotImplementedError
 
+    def healthy(self) -> bool:
+        raise NotImplementedError
+
     def _after_restart(self) -> None:
         """Bring a fresh server back to the state the run expects (e.g. the served adapter)."""
 
-    def _restart(self, reason: Exception) -> None:
+    def wait_until_up(self) -> None:
+        """Wait (at most wait_s) until the external server answers its health check."""
+        deadline = time.monotonic() + self.wait_s
+        while not self.healthy():
+            if time.monotonic() > deadline:
+                raise RoleDied(f"{self.role} at {self.url} did not answer its health check within {self.wait_s:.0f}s")
+            time.sleep(1.0)
+
+    def _count_restart(self, reason: Exception) -> None:
         if self.restarts >= self.max_restarts:
+            where = f"at {self.url}" if self.url else f"log {self.server.log_path}:\n{self.server.log_tail(20)}"
             raise RoleDied(
                 f"{self.role} server died ({type(reason).__name__}: {reason}) and was already restarted "
-                f"{self.restarts} time(s) ({self.role}.max_restarts); log {self.server.log_path}:\n{self.server.log_tail(20)}"
+                f"{self.restarts} time(s) ({self.role}.max_restarts); {where}"
             ) from reason
         self.restarts += 1
         self._restarts_metric.inc()
+
+    def _restart(self, reason: Exception) -> None:
+        self._count_restart(reason)
         log.warning("%s server is gone (%s); restarting (%d/%d)", self.role, reason, self.restarts, self.max_restarts)
         self.stop()
         self.start()
         self._after_restart()
 
+    def _reconnect(self, reason: Exception) -> None:
+        self._count_restart(reason)
+        log.warning("%s at %s is not answering (%s); waiting for it to come back (%d/%d)", self.role, self.url, reason,
+                    self.restarts, self.max_restarts)  # fmt: skip
+        self.wait_until_up()
+        self._after_restart()
+
     def supervised(self, fn: Callable[[], T]) -> T:
-        """Run FN, restarting a dead server and retrying."""
+        """Run FN, restarting (or waiting for) a dead server and retrying."""
         while True:
             try:
                 return fn()
             except (httpx.HTTPError, RuntimeError) as exc:
-                if isinstance(exc, RoleDied) or self.server is None or self.server.alive_after(grace_s=5.0):
+                if isinstance(exc, RoleDied):
+                    raise
+                if self.url is not None:
+                    if self.healthy():  # it answers: a real error, not a restart
+                        raise
+                    self._reconnect(exc)
+                    continue
+                if self.server is None or self.server.alive_after(grace_s=5.0):
                     raise
                 self._restart(exc)
 
@@ -106,8 +153,9 @@ class RolloutRole(SupervisedRole):
 
     role = "rollout"
 
-    def __init__(self, config: VLLMServerConfig, canary: Canary, tolerance: float, retries: int, max_restarts: int) -> None:
-        super().__init__(max_restarts, metrics.ROLLOUT_RESTARTS)
+    def __init__(self, config: VLLMServerConfig, canary: Canary, tolerance: float, retries: int, max_restarts: int,
+                 url: str | None = None, wait_s: float = 600.0) -> None:  # fmt: skip
+        super().__init__(max_restarts, metrics.ROLLOUT_RESTARTS, url, wait_s)
         self.config = config
         self.canary, self.tolerance, self.retries = canary, tolerance, retries
         self.client: RolloutClient | None = None
@@ -117,6 +165,11 @@ class RolloutRole(SupervisedRole):
         self._expected: dict[int, list[torch.Tensor]] = {}  # canary expectations per published version
 
     def start(self) -> None:
+        if self.url is not None:  # the pod's rollout container
+            self.client = RolloutClient(self.url)
+            self.sync = AdapterSync(self.client, self.canary, self.tolerance, self.retries)
+            self.wait_until_up()
+            return
         self.config.port = 0  # a fresh port: an old one may linger in TIME_WAIT
         self.server = VLLMServer(self.config).start()
         self.client = RolloutClient(self.server.base_url)
@@ -175,16 +228,23 @@ class ReferenceRole(SupervisedRole):
     role = "reference"
 
     def __init__(self, mode: str, policy, model_dir: Path, dtype: str, log_path: Path, max_restarts: int,
-                 limits: MicroBatchLimits = NO_LIMITS) -> None:  # fmt: skip
-        super().__init__(max_restarts, metrics.REFERENCE_RESTARTS)
+                 limits: MicroBatchLimits = NO_LIMITS, url: str | None = None, wait_s: float = 600.0) -> None:  # fmt: skip
+        super().__init__(max_restarts, metrics.REFERENCE_RESTARTS, url, wait_s)
         self.mode = mode
         self.policy = policy
         self.limits = limits  # shared mode scores in the learner's micro-batches, on its device
         self.model_dir, self.dtype, self.log_path = model_dir, dtype, log_path
         self.client: ReferenceClient | None = None
 
+    def healthy(self) -> bool:
+        return self.client is not None and self.client.healthy()
+
     def start(self) -> None:
         if self.mode != "server":
+            return
+        if self.url is not None:  # the pod's reference container
+            self.client = ReferenceClient(self.url)
+            self.wait_until_up()
             return
         device = self.policy.device.type  # the reference server runs where the learner runs
         self.server = ReferenceServer(self.model_dir, self.dtype, self.log_path, self.limits.max_tokens, device).start()

@@ -153,7 +153,7 @@ def test_pod_layout_mounts_security_and_resources():
         assert container["securityContext"]["readOnlyRootFilesystem"] is True
         assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
         assert container["securityContext"]["allowPrivilegeEscalation"] is False
-        assert container["startupProbe"]["httpGet"]["path"] == "/healthz"
+        assert container["startupProbe"]["httpGet"]["path"] == ("/health" if container["name"] == "rollout" else "/healthz")
         assert container["ports"][0]["name"] == container["name"]
     cache = [m for m in init["volumeMounts"] if m["name"] == "base-cache"]
     assert cache and not cache[0].get("readOnly")  # only prepare-base writes the cache ...

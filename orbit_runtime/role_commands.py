@@ -1,0 +1,99 @@
+"""The pod's role commands: `orbit rollout`, `orbit reference`, `orbit learner` (and the init
+container's `orbit prepare-base`, in cli.py). Each runs ONE role in the foreground, with the
+same code `orbit train` uses when it starts the roles itself as child processes:
+
+    orbit rollout CONFIG     vLLM on the base with runtime LoRA loading (exec: signals reach vLLM)
+    orbit reference CONFIG   the reference log-prob server
+    orbit learner CONFIG     the RL loop against the rollout and reference URLs (no child processes);
+                             resumes from the newest checkpoint of its config when there is one
+
+The URLs and the shared adapter directory come from options or the pod's environment
+(ORBIT_ROLLOUT_URL, ORBIT_REFERENCE_URL, ORBIT_ADAPTERS_DIR; see orbit_operator.pod).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from orbit_runtime.errors import OrbitError
+
+ConfigArg = Annotated[Path, typer.Argument(help="Job config (the pod's ConfigMap, /etc/orbit/job.yaml).")]
+
+
+def register(app: typer.Typer, fail, configure_logging) -> None:
+    """Add the role commands to APP (FAIL prints one error line and exits)."""
+
+    def load(config: Path):
+        from orbit_runtime.config import load_job_spec
+
+        try:
+            return load_job_spec(config)
+        except OrbitError as exc:
+            fail(exc)
+
+    @app.command()
+    def rollout(
+        config: ConfigArg,
+        host: Annotated[str, typer.Option(help="Address to bind (the pod IP for the kubelet's probes).")] = "0.0.0.0",
+        port: Annotated[int, typer.Option(help="Port (the pod's `rollout` port).")] = 8000,
+    ) -> None:
+        """Run vLLM (the rollout role) on the config's base, in the foreground."""
+        from orbit_runtime.trainer.roles import rollout_server_config
+
+        spec = load(config)
+        server = rollout_server_config(spec, log_path=None)  # its own GPUs in a pod: vLLM's defaults unless the spec says
+        server.host = host
+        if not (Path(server.model_dir) / "config.json").is_file():
+            fail(OrbitError(f"{server.model_dir}: not a model directory (no config.json); did prepare-base run?"))
+        command = server.command(port)
+        os.execvpe(command[0], command, server.environment())
+
+    @app.command()
+    def reference(
+        config: ConfigArg,
+        host: Annotated[str, typer.Option(help="Address to bind.")] = "0.0.0.0",
+        port: Annotated[int, typer.Option(help="Port (the pod's `reference` port).")] = 8001,
+    ) -> None:
+        """Run the reference log-prob server on the config's base, in the foreground."""
+        from orbit_runtime.reference.server import main as reference_main
+
+        spec = load(config)
+        args = ["--model-dir", spec.model.path, "--dtype", spec.model.learner_dtype or spec.model.dtype, "--host", host,
+                "--port", str(port), "--device", spec.learner.device]  # fmt: skip
+        if spec.learner.micro_batch_tokens is not None:
+            args += ["--micro-batch-tokens", str(spec.learner.micro_batch_tokens)]
+        reference_main(args)
+
+    @app.command()
+    def learner(
+        config: ConfigArg,
+        rollout_url: Annotated[str, typer.Option(envvar="ORBIT_ROLLOUT_URL", help="The rollout role.")] = "http://127.0.0.1:8000",
+        reference_url: Annotated[str, typer.Option(envvar="ORBIT_REFERENCE_URL", help="The reference role (reference.mode: server).")] = "http://127.0.0.1:8001",
+        adapters_dir: Annotated[Path | None, typer.Option(envvar="ORBIT_ADAPTERS_DIR", help="Where adapter versions are published for the rollout to load.")] = None,
+        wait_seconds: Annotated[float, typer.Option(help="How long to wait for a role to answer (at start, or after it restarted).")] = 600.0,
+    ) -> None:  # fmt: skip
+        """Run the RL loop (the learner role) against running rollout and reference servers; resumes
+        from the newest checkpoint of this config. Exit 0 when done; non-zero with one line otherwise."""
+        from orbit_runtime.sync.adapter_sync import SyncError
+        from orbit_runtime.trainer.loop import Trainer
+        from orbit_runtime.trainer.roles import ExternalRoles, RoleDied
+
+        spec = load(config)
+        configure_logging()
+        external = ExternalRoles(rollout_url=rollout_url, reference_url=reference_url if spec.reference.mode == "server" else None,
+                                 adapters_dir=adapters_dir, wait_s=wait_seconds)  # fmt: skip
+        try:
+            summary = Trainer(spec, resume=False, external=external).run()
+        except (OrbitError, SyncError, RoleDied) as exc:
+            fail(exc)
+        except OSError as exc:
+            fail(OrbitError(f"{type(exc).__name__}: {exc}"))
+        except KeyboardInterrupt as stop:
+            signum = stop.args[0] if stop.args and isinstance(stop.args[0], int) else 2
+            raise typer.Exit(code=128 + signum) from None
+        typer.echo(json.dumps(summary))
