@@ -127,7 +127,8 @@ class SupervisedRole:
         self._count_restart(reason)
         log.warning("%s at %s is not answering (%s); waiting for it to come back (%d/%d)", self.role, self.url, reason,
                     self.restarts, self.max_restarts)  # fmt: skip
-        self.wait_until_up()
+        self.stop()
+        self.start()  # a fresh client (the new server has none of the old one's adapters), once it answers
         self._after_restart()
 
     def supervised(self, fn: Callable[[], T]) -> T:
