@@ -53,13 +53,18 @@ class PrepareResult:
 
 
 @contextmanager
-def cache_lock(cache: Path, timeout_s: float):
-    """An exclusive flock on CACHE/.lock; yields the seconds spent waiting for it."""
+def cache_lock(cache: Path, timeout_s: float, shared: bool = False):
+    """An flock on CACHE/.lock (exclusive to write; SHARED to only verify, which also works on a
+    read-only cache: the file is then opened read-only, and skipped if it does not exist);
+    yields the seconds spent waiting for it."""
     started = time.monotonic()
-    with open(cache / LOCK, "a+") as handle:
+    if shared and not (cache / LOCK).exists():
+        yield 0.0
+        return
+    with open(cache / LOCK, "r" if shared else "a+") as handle:
         while True:
             try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(handle, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
                 if time.monotonic() - started > timeout_s:
@@ -82,7 +87,8 @@ def _fetch_source(source: str, scratch: Path) -> Path:
 
     try:
         store = open_store(source)
-        objects = [o for o in store.list("") if "/" not in o.key.strip("/")]  # the checkpoint's top-level files
+        # the checkpoint's top-level files (not folder markers such as `prefix/`, nor sub-prefixes)
+        objects = [o for o in store.list("") if o.key and "/" not in o.key]
         if not objects:
             raise OrbitError(f"{source}: no files under this prefix")
         scratch.mkdir(parents=True, exist_ok=True)
@@ -131,18 +137,23 @@ def prepare_base(cache: Path, fmt: Literal["hf", "int4"], source: str | None, gr
         raise OrbitError(f"{cache}: the cache directory does not exist (the pod mounts it)")
     model = cache / MODEL
     started = time.monotonic()
+    if source is None:  # an administrator's base (mounted read-only): verify, write nothing
+        with cache_lock(cache, lock_timeout_s, shared=True) as waited:
+            if not (model / MANIFEST).is_file():
+                raise OrbitError(f"{model}: no base here, and no source to build it from (a nodeCache base is placed by an administrator)")
+            digest = read_base_digest(model, verify="quick")
+        return PrepareResult(str(model), digest, "verified", round(time.monotonic() - started, 3), round(waited, 3), None, fmt,
+                             time.time())  # fmt: skip
     try:
         with cache_lock(cache, lock_timeout_s) as waited:
+            for stale in cache.glob(".tmp-*"):  # left by a pod killed mid-write (we hold the lock)
+                shutil.rmtree(stale, ignore_errors=True)
             if (model / MANIFEST).is_file():
                 action: Literal["quantized", "copied", "verified"] = "verified"
                 digest = read_base_digest(model, verify="quick")
             else:
                 if model.exists():
                     raise OrbitError(f"{model}: a base without {MANIFEST} (not written by prepare-base); remove it")
-                if source is None:
-                    raise OrbitError(f"{model}: no base here, and no source to build it from (a nodeCache base is placed by an administrator)")
-                for stale in cache.glob(".tmp-*"):  # left by a pod killed mid-write (we hold the lock)
-                    shutil.rmtree(stale, ignore_errors=True)
                 scratch = Path(tempfile.mkdtemp(prefix=".tmp-", dir=cache))
                 try:
                     src = _fetch_source(source, scratch / "download")

@@ -58,13 +58,14 @@ def register(app: typer.Typer, fail, configure_logging) -> None:
         config: ConfigArg,
         host: Annotated[str, typer.Option(help="Address to bind.")] = "0.0.0.0",
         port: Annotated[int, typer.Option(help="Port (the pod's `reference` port).")] = 8001,
+        device: Annotated[str | None, typer.Option(help="auto, cpu or cuda (default: the config's learner.device).")] = None,
     ) -> None:
         """Run the reference log-prob server on the config's base, in the foreground."""
         from orbit_runtime.reference.server import main as reference_main
 
         spec = load(config)
         args = ["--model-dir", spec.model.path, "--dtype", spec.model.learner_dtype or spec.model.dtype, "--host", host,
-                "--port", str(port), "--device", spec.learner.device]  # fmt: skip
+                "--port", str(port), "--device", device or spec.learner.device]  # fmt: skip
         if spec.learner.micro_batch_tokens is not None:
             args += ["--micro-batch-tokens", str(spec.learner.micro_batch_tokens)]
         reference_main(args)

@@ -7,7 +7,8 @@ One pod on one node:
   the job's namespace and source, or `named/<nodeCache>` for a base an administrator put
   there). It sees only that directory, and is the only writer; the base itself is its
   `model/` subdirectory, which the roles mount read-only.
-- `rollout` (vLLM: `orbit rollout`) and `reference` (`orbit reference`): native sidecars (init containers with
+- `rollout` (vLLM: `orbit rollout`) and, with `reference.mode: server`, `reference`
+  (`orbit reference`, on its own GPUs if it has any, else the CPU): native sidecars (init containers with
   `restartPolicy: Always`). They start before the learner, the kubelet restarts them in
   place when they crash (the learner waits, re-syncs, continues), and they stop when the
   learner ends - so the pod's outcome is the learner's.
@@ -196,16 +197,20 @@ def build_pod(name: str, namespace: str, spec: RLTrainingJobSpec, settings: Oper
     rollout = _container("rollout", image, ["orbit", "rollout", f"{CONFIG_MOUNT}/{CONFIG_FILE}"], settings, res.rollout,
                          [base_ro, config, {"name": "adapters", "mountPath": ADAPTERS_MOUNT, "readOnly": True},
                           {"name": "dshm", "mountPath": "/dev/shm"}])  # fmt: skip
-    reference = _container("reference", image, ["orbit", "reference", f"{CONFIG_MOUNT}/{CONFIG_FILE}"], settings,
-                           res.reference, [base_ro, config])  # fmt: skip
-    learner = _container("learner", image, ["orbit", "learner", f"{CONFIG_MOUNT}/{CONFIG_FILE}"], settings, res.learner,
+    reference_device = "cuda" if res.reference.gpus else "cpu"  # its own GPUs, not the learner's
+    reference = _container("reference", image, ["orbit", "reference", f"{CONFIG_MOUNT}/{CONFIG_FILE}", "--device", reference_device],
+                           settings, res.reference, [base_ro, config])  # fmt: skip
+    # the learner waits for a restarting role at least as long as the role's startup probe allows
+    learner = _container("learner", image, ["orbit", "learner", f"{CONFIG_MOUNT}/{CONFIG_FILE}", "--wait-seconds", "2100"], settings, res.learner,
                          [base_ro, config, {"name": "adapters", "mountPath": ADAPTERS_MOUNT},
                           {"name": "run", "mountPath": RUN_MOUNT}, {"name": "dshm", "mountPath": "/dev/shm"}])  # fmt: skip
     if spec.base.pvc is not None:
         learner["volumeMounts"].append({"name": "base-source", "mountPath": DATA_MOUNT, "readOnly": True})
     ports = {**PORTS, "learner": settings.learner_status_port}
     # vLLM's health route is /health; Orbit's roles serve /healthz
-    for container, startup, path in ((rollout, 1800, "/health"), (reference, 900, "/healthz"), (learner, 1800, "/healthz")):
+    server_reference = spec.reference.mode == "server"  # shared: the learner computes it, no container
+    roles = [(rollout, 1800, "/health"), *([(reference, 900, "/healthz")] if server_reference else []), (learner, 1800, "/healthz")]
+    for container, startup, path in roles:
         container["ports"] = [{"name": container["name"][:15], "containerPort": ports[container["name"]], "protocol": "TCP"}]
         container.update(_probes(container["name"][:15], startup, path))
     for sidecar in (rollout, reference):
@@ -219,14 +224,14 @@ def build_pod(name: str, namespace: str, spec: RLTrainingJobSpec, settings: Oper
         {"name": "adapters", "emptyDir": {}},
         {"name": "run", "emptyDir": {}},
         {"name": "dshm", "emptyDir": {"medium": "Memory"}},
-        *({"name": f"tmp-{c['name']}", "emptyDir": {}} for c in (init, rollout, reference, learner)),
+        *({"name": f"tmp-{c['name']}", "emptyDir": {}} for c in (init, rollout, *([reference] if server_reference else []), learner)),
     ]
     if spec.base.pvc is not None:
         volumes.append({"name": "base-source", "persistentVolumeClaim": {"claimName": spec.base.pvc.claimName, "readOnly": True}})
 
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
-        "initContainers": [init, rollout, reference],
+        "initContainers": [init, rollout, *([reference] if server_reference else [])],
         "containers": [learner],
         "volumes": volumes,
         "securityContext": {

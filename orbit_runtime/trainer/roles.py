@@ -98,6 +98,10 @@ class SupervisedRole:
     def _after_restart(self) -> None:
         """Bring a fresh server back to the state the run expects (e.g. the served adapter)."""
 
+    def lost_state(self) -> bool:
+        """Has an external server restarted between two requests (it answers, but without what we gave it)?"""
+        return False
+
     def wait_until_up(self) -> None:
         """Wait (at most wait_s) until the external server answers its health check."""
         deadline = time.monotonic() + self.wait_s
@@ -140,9 +144,14 @@ class SupervisedRole:
                 if isinstance(exc, RoleDied):
                     raise
                 if self.url is not None:
-                    if self.healthy():  # it answers: a real error, not a restart
+                    if self.healthy() and not self.lost_state():  # it answers, as we left it: a real error
                         raise
-                    self._reconnect(exc)
+                    try:
+                        self._reconnect(exc)
+                    except RoleDied:
+                        raise
+                    except (httpx.HTTPError, RuntimeError) as again:  # died again while being restored: next round
+                        log.warning("%s failed again while being restored (%s)", self.role, again)
                     continue
                 if self.server is None or self.server.alive_after(grace_s=5.0):
                     raise
@@ -189,6 +198,15 @@ class RolloutRole(SupervisedRole):
         if self.current is not None:
             version, path = self.current
             self.sync.sync(version, path, self._expected[version])
+
+    def lost_state(self) -> bool:
+        """The adapter we serve is gone from vLLM: the kubelet restarted it between two requests."""
+        if self.current is None or self.sync is None or self.sync.served_name is None:
+            return False
+        try:
+            return self.sync.served_name not in self.client.served_models()
+        except (httpx.HTTPError, ValueError, KeyError):
+            return True
 
     @property
     def served_name(self) -> str | None:

@@ -4,6 +4,7 @@ is detected by the canary and never served."""
 import os
 import signal
 
+import httpx
 import pytest
 import torch
 
@@ -78,5 +79,28 @@ def test_vllm_killed_while_a_sync_is_in_flight_recovers_both_versions(int4_dir, 
         assert result.version == 2 and role.served_name == "orbit-adapter-v2" and role.canary_failures == 0
         assert role.client.served_models() == ["base", "orbit-adapter-v2"]
         assert role.client.loaded == ["orbit-adapter-v2"] and "orbit-adapter-v1" in role.client._ever_loaded  # v1 came back first
+    finally:
+        role.stop()
+
+
+def test_an_external_rollout_restarted_between_requests_is_noticed_and_resynced(vllm_server, int4_dir, tmp_path):
+    """The pod's rollout container restarted by the kubelet between two requests: it answers, but
+    without our adapter. The learner's role sees the served adapter gone, re-syncs it, retries."""
+    from orbit_runtime.rollout.client import RolloutClient
+
+    policy = load_policy(int4_dir, AdapterSpec(rank=RANK, alpha=16), dtype="fp16")
+    _nudge(policy, 7)
+    config = VLLMServerConfig(int4_dir)  # unused with a URL: the server is external
+    role = RolloutRole(config, CANARY, tolerance=2e-2, retries=1, max_restarts=1, url=vllm_server.base_url, wait_s=30)
+    role.start()
+    try:
+        root = tmp_path / "adapters"
+        served = role.publish(policy, 31, publish_adapter(policy, root, 31)[0]).served_name
+        # what a freshly restarted vLLM looks like: up, with no adapter loaded
+        httpx.post(f"{vllm_server.base_url}/v1/unload_lora_adapter", json={"lora_name": served}).raise_for_status()
+        assert role.lost_state()
+        scores = role.call(lambda client: client.score(CANARY[0][0] + CANARY[0][1], model=role.served_name), kind="request")
+        assert scores  # answered, with the adapter loaded again
+        assert role.restarts == 1 and role.served_name in RolloutClient(vllm_server.base_url).served_models()
     finally:
         role.stop()

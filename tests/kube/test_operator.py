@@ -82,7 +82,7 @@ def test_job_lifecycle_pod_status_progress_backoff_suspend_success_and_delete(ku
             assert "created" in kube.kubectl("apply", "--validate=false", "-f", "examples/rljob-cpu.yaml").stdout
             pod = wait(kube, lambda: pods(kube).get(f"{JOB}-0"), "the first pod")
             spec = pod["spec"]
-            assert [c["name"] for c in spec["initContainers"]] == ["prepare-base", "rollout", "reference"]
+            assert [c["name"] for c in spec["initContainers"]] == ["prepare-base", "rollout"]  # reference.mode: shared
             assert [c["name"] for c in spec["containers"]] == ["learner"]
             assert {v["name"]: v for v in spec["volumes"]}["base-cache"]["hostPath"]["path"] == "/var/lib/orbit-test/bases"
             assert pod["metadata"]["ownerReferences"][0]["kind"] == "RLTrainingJob"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -63,12 +64,27 @@ def test_concurrent_pods_on_one_node_quantize_once(demo_dir, tmp_path):
     cache = tmp_path / "shared"
     cache.mkdir()
     command = [sys.executable, "-m", "orbit_runtime.cli", "prepare-base", "--cache", str(cache), "--source", str(demo_dir)]
-    procs = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    with cache_lock(cache, 5.0):  # a third writer holds the lock: both pods must wait for it
+        procs = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+        time.sleep(8)
+        assert all(p.poll() is None for p in procs)  # still waiting
     outputs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs
-    actions = sorted(h["action"] for h in _history(cache))
-    assert actions == ["quantized", "verified"]  # one writer; the other waited, then verified
-    assert max(h["waited_for_lock_s"] for h in _history(cache)) > 0
+    history = _history(cache)
+    assert sorted(h["action"] for h in history) == ["quantized", "verified"]  # one writer; the other then verified
+    assert all(h["waited_for_lock_s"] > 1.0 for h in history)
+
+
+def test_a_node_cache_base_is_verified_without_writing(int4_dir, tmp_path):
+    cache = tmp_path / "named"
+    (cache / MODEL).mkdir(parents=True)
+    for path in int4_dir.iterdir():
+        if path.is_file():
+            (cache / MODEL / path.name).write_bytes(path.read_bytes())
+    before = sorted(p.relative_to(cache) for p in cache.rglob("*"))
+    result = prepare_base(cache, "int4", None)  # the pod mounts an administrator's base read-only
+    assert result.reused and result.digest == read_base_digest(int4_dir)
+    assert sorted(p.relative_to(cache) for p in cache.rglob("*")) == before  # no lock file, no history, nothing
 
 
 def test_a_pod_killed_mid_write_leaves_nothing_trusted(demo_dir, tmp_path):

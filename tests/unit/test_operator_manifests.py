@@ -145,6 +145,10 @@ def test_pod_layout_mounts_security_and_resources():
     assert rollout["restartPolicy"] == reference["restartPolicy"] == "Always"  # native sidecars
     assert body["restartPolicy"] == "Never"  # a failed learner fails the pod; the operator resumes in a new one
     assert [learner["command"][1], rollout["command"][1], reference["command"][1]] == ["learner", "rollout", "reference"]
+    assert reference["command"][-2:] == ["--device", "cuda"]  # its own GPU (resources.reference.gpus: 1)
+    assert learner["command"][-2:] == ["--wait-seconds", "2100"]  # longer than a role's startup probe
+    shared = build_pod("cpu", "ml", validate_job(_example("rljob-cpu.yaml")).spec, settings)
+    assert [c["name"] for c in shared["spec"]["initContainers"]] == ["prepare-base", "rollout"]  # shared reference: no container
     host = {v["name"]: v for v in body["volumes"]}["base-cache"]["hostPath"]
     assert host["path"] == "/mnt/orbit-cache"  # the operator's root, never the job's
     for container in (rollout, reference, learner):
