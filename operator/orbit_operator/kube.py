@@ -77,22 +77,19 @@ class Kube:
         return True
 
     def delete_pod(self, namespace: str, name: str) -> None:
-        try:
-            self.core.delete_namespaced_pod(name, namespace)
-        except ApiException as exc:
-            if exc.status != 404:
-                raise
+        _unless_gone(lambda: self.core.delete_namespaced_pod(name, namespace))
 
     def delete_configmap(self, namespace: str, name: str) -> None:
-        try:
-            self.core.delete_namespaced_config_map(name, namespace)
-        except ApiException as exc:
-            if exc.status != 404:
-                raise
+        _unless_gone(lambda: self.core.delete_namespaced_config_map(name, namespace))
 
     def delete_job(self, namespace: str, name: str) -> None:
-        try:
-            self.custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
-        except ApiException as exc:
-            if exc.status != 404:
-                raise
+        _unless_gone(lambda: self.custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name))
+
+
+def _unless_gone(delete) -> None:
+    """Run DELETE; an object that is already gone (404) is deleted as far as we care."""
+    try:
+        delete()
+    except ApiException as exc:
+        if exc.status != 404:
+            raise

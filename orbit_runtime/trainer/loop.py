@@ -79,7 +79,6 @@ def loss_config(spec: JobSpec) -> LossConfig:
 class Trainer:
     """One run of the RL loop. RESUME/RESUME_FROM: see checkpointing.plan_resume."""
 
-    ROLLOUT_PROBE_INTERVAL_S = 5.0
 
     def __init__(self, spec: JobSpec, console=None, *, resume: bool = False, resume_from: str | None = None,
                  external: ExternalRoles | None = None) -> None:  # fmt: skip
@@ -211,7 +210,7 @@ class Trainer:
             self.rollout.publish(self.policy, self.state.adapter_version, path)
         self.reference.start()
         metrics.ROLLOUT_UP.set(1)
-        threading.Thread(target=self._probe_rollout, name="rollout-probe", daemon=True).start()
+        self.rollout.watch_health(self._probe_stop)
         self.write_processes()
 
     def write_processes(self) -> None:
@@ -227,15 +226,6 @@ class Trainer:
         self._probe_stop.set()
         self.rollout.stop()
         self.reference.stop()
-
-    def _probe_rollout(self) -> None:
-        """Background: keep orbit_rollout_up current between steps (a step may take minutes)."""
-        while not self._probe_stop.wait(self.ROLLOUT_PROBE_INTERVAL_S):
-            try:
-                up = self.rollout.healthy()
-            except Exception:  # a client closed by a restart in between: down for this probe
-                up = False
-            metrics.ROLLOUT_UP.set(1 if up else 0)
 
     # ---- one RL step ---------------------------------------------------------------------
     def evaluate(self) -> dict:

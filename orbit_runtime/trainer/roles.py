@@ -11,6 +11,7 @@ verified against the canary expectations kept for THAT version.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -224,6 +225,19 @@ class RolloutRole(SupervisedRole):
                 return fn(self.client)
 
         return self.supervised(attempt)
+
+    def watch_health(self, stop: threading.Event, interval_s: float = 5.0) -> None:
+        """Keep orbit_rollout_up current between steps (a step may take minutes), until STOP is set."""
+
+        def probe() -> None:
+            while not stop.wait(interval_s):
+                try:
+                    up = self.healthy()
+                except Exception:  # a client closed by a restart in between: down for this probe
+                    up = False
+                metrics.ROLLOUT_UP.set(1 if up else 0)
+
+        threading.Thread(target=probe, name="rollout-probe", daemon=True).start()
 
     def healthy(self) -> bool:
         """Does the engine answer its health check right now?"""
