@@ -24,7 +24,7 @@ PIP_FILTER := sed '/is ignored: it is neither a file nor a directory/d'
 # root needs no sudo (CI); elsewhere apt-get runs through sudo
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: help install lock prometheus test test-fast demo bench clean
+.PHONY: help install lock test-tools test test-fast demo bench clean
 
 help:
 	@echo "make test   - set up .venv and run the test suite (real vLLM CPU server included)"
@@ -58,15 +58,19 @@ lock:
 	mv constraints.txt.tmp constraints.txt
 	rm -rf $(LOCK_VENV)
 
-# Debian's Prometheus (with promtool): the observability tests run the real thing. Not a
-# Python package, so it comes from apt, once.
-prometheus:
-	@if command -v prometheus >/dev/null && command -v promtool >/dev/null; then :; else \
-	  echo "installing Debian's prometheus for the observability tests"; \
-	  $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq --no-install-recommends prometheus; \
+# Debian's Prometheus (with promtool): the observability tests run the real thing; bubblewrap
+# (bwrap): the end-to-end tests' node runs each pod container in a sandbox. Not Python
+# packages, so they come from apt, once.
+test-tools:
+	@missing=""; \
+	command -v prometheus >/dev/null && command -v promtool >/dev/null || missing="$$missing prometheus"; \
+	command -v bwrap >/dev/null || missing="$$missing bubblewrap"; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing Debian's$$missing for the tests"; \
+	  $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq --no-install-recommends $$missing; \
 	fi
 
-test: install prometheus
+test: install test-tools
 	$(PY) -m pytest
 
 test-fast: install

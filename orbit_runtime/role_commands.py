@@ -77,6 +77,9 @@ def register(app: typer.Typer, fail, configure_logging) -> None:
         reference_url: Annotated[str, typer.Option(envvar="ORBIT_REFERENCE_URL", help="The reference role (reference.mode: server).")] = "http://127.0.0.1:8001",
         adapters_dir: Annotated[Path | None, typer.Option(envvar="ORBIT_ADAPTERS_DIR", help="Where adapter versions are published for the rollout to load.")] = None,
         wait_seconds: Annotated[float, typer.Option(help="How long to wait for a role to answer (at start, or after it restarted).")] = 600.0,
+        host: Annotated[str | None, typer.Option(help="Address for /metrics, /healthz and /status (default: the config's metrics.host).")] = None,
+        termination_log: Annotated[Path | None, typer.Option(help="Write the final /status JSON here when the run ends or is stopped "
+                                                                  "(the pod's terminationMessagePath: the operator reads it).")] = None,
     ) -> None:  # fmt: skip
         """Run the RL loop (the learner role) against running rollout and reference servers; resumes
         from the newest checkpoint of this config. Exit 0 when done; non-zero with one line otherwise."""
@@ -85,16 +88,32 @@ def register(app: typer.Typer, fail, configure_logging) -> None:
         from orbit_runtime.trainer.roles import ExternalRoles, RoleDied
 
         spec = load(config)
+        if host is not None:
+            spec.metrics.host = host
         configure_logging()
         external = ExternalRoles(rollout_url=rollout_url, reference_url=reference_url if spec.reference.mode == "server" else None,
                                  adapters_dir=adapters_dir, wait_s=wait_seconds)  # fmt: skip
+        trainer = Trainer(spec, resume=False, external=external)
         try:
-            summary = Trainer(spec, resume=False, external=external).run()
+            summary = trainer.run()
         except (OrbitError, SyncError, RoleDied) as exc:
-            fail(exc)
+            fail(exc)  # no termination message: the pod's FallbackToLogsOnError shows this line
         except OSError as exc:
             fail(OrbitError(f"{type(exc).__name__}: {exc}"))
         except KeyboardInterrupt as stop:
+            write_termination_message(termination_log, trainer.status())
             signum = stop.args[0] if stop.args and isinstance(stop.args[0], int) else 2
             raise typer.Exit(code=128 + signum) from None
+        write_termination_message(termination_log, trainer.status())
         typer.echo(json.dumps(summary))
+
+
+def write_termination_message(path: Path | None, status: dict) -> None:
+    """The learner's last /status, for the operator once nothing serves it any more (Kubernetes puts
+    the file into the container's `state.terminated.message`, at most 4 KiB). Never fails the run."""
+    if path is None:
+        return
+    try:
+        path.write_text(json.dumps(status, separators=(",", ":"))[:4096])
+    except OSError as exc:
+        typer.echo(f"could not write the termination message {path}: {exc}", err=True)

@@ -23,6 +23,7 @@ from orbit_operator.kube import Kube
 from orbit_operator.pod import object_names, owner_reference
 from orbit_operator.reconcile import Observed, plan, pod_rejected
 from orbit_operator.settings import OperatorSettings
+from orbit_operator.status import learner_final_status
 from orbit_runtime.observability import metrics
 
 log = logging.getLogger("orbit_operator")
@@ -55,7 +56,10 @@ def _count_phases() -> None:
 
 
 def learner_status(pod: dict | None) -> dict | None:
-    """The learner's /status at the pod's IP, or None (not running yet, or not answering)."""
+    """The learner's /status at the pod's IP; once the pod has finished, its termination message;
+    None when neither is there (not running yet, not answering, or failed)."""
+    if pod is not None and (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+        return learner_final_status(pod)
     if pod is None or (pod.get("status") or {}).get("phase") != "Running":
         return None
     ip = (pod.get("status") or {}).get("podIP")

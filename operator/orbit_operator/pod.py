@@ -23,6 +23,11 @@ reach the learner only (a base's own `credentialsSecret`, prepare-base only). Fi
 read from the base's PVC, mounted read-only in the learner at /data. Every container runs
 as non-root with a read-only root filesystem, no privilege escalation and no capabilities.
 
+Every role binds to the pod IP (downward API `status.podIP`), which is also how they reach
+each other: the kubelet's probes, Prometheus and the operator's `/status` poll all use the
+pod IP, and two pods sharing one network namespace (the end-to-end test node) never clash.
+The cost: `kubectl port-forward` (which dials localhost inside the pod) does not reach them.
+
 A hostPath volume needs the namespace's Pod Security level to be `privileged` (baseline and
 restricted forbid hostPath); everything else in the pod meets `restricted`.
 """
@@ -47,6 +52,7 @@ CONFIG_MOUNT = "/etc/orbit"
 RUN_MOUNT = "/var/run/orbit"  # the learner's run directory (metrics.jsonl, report, staging)
 DATA_MOUNT = "/data"  # the base's PVC, read-only, in the learner (file data)
 CONFIG_FILE = "job.yaml"
+TERMINATION_LOG = "/dev/termination-log"  # the learner's final /status, read by the operator from the pod status
 APPLIED_SPEC_FILE = "spec.json"  # the RLTrainingJob spec the job's pods are built from
 PORTS = {"rollout": 8000, "reference": 8001}  # the learner's is the operator's learner_status_port
 LABEL_JOB = f"{GROUP}/job"
@@ -141,7 +147,11 @@ def _probes(port_name: str, startup_seconds: int, path: str) -> dict:
     }
 
 
+POD_IP_ENV = "ORBIT_POD_IP"  # the pod's IP (downward API); every role binds to it
+
+
 def _env(settings: OperatorSettings, role: str) -> list[dict]:
+    """The roles' environment. The pod IP comes first: later values refer to it as $(ORBIT_POD_IP)."""
     env = {
         "HOME": "/tmp",
         "XDG_CACHE_HOME": "/tmp/.cache",
@@ -150,11 +160,12 @@ def _env(settings: OperatorSettings, role: str) -> list[dict]:
         "ORBIT_CONFIG": f"{CONFIG_MOUNT}/{CONFIG_FILE}",
         "ORBIT_BASE_DIR": BASE_MOUNT,
         "ORBIT_ADAPTERS_DIR": ADAPTERS_MOUNT,
-        "ORBIT_ROLLOUT_URL": f"http://127.0.0.1:{PORTS['rollout']}",
-        "ORBIT_REFERENCE_URL": f"http://127.0.0.1:{PORTS['reference']}",
+        "ORBIT_ROLLOUT_URL": f"http://$({POD_IP_ENV}):{PORTS['rollout']}",
+        "ORBIT_REFERENCE_URL": f"http://$({POD_IP_ENV}):{PORTS['reference']}",
         **settings.extra_pod_env,
     }
-    return [{"name": k, "value": v} for k, v in env.items()]
+    pod_ip = {"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+    return [pod_ip, *({"name": k, "value": v} for k, v in env.items())]
 
 
 def _container(name: str, image: str, command: list[str], settings: OperatorSettings, role: RoleResources,
@@ -194,16 +205,20 @@ def build_pod(name: str, namespace: str, spec: RLTrainingJobSpec, settings: Oper
     if spec.base.credentialsSecret:
         init["envFrom"] = [{"secretRef": {"name": spec.base.credentialsSecret}}]  # the base's S3 source: prepare-base only
 
-    rollout = _container("rollout", image, ["orbit", "rollout", f"{CONFIG_MOUNT}/{CONFIG_FILE}"], settings, res.rollout,
+    config_file, bind = f"{CONFIG_MOUNT}/{CONFIG_FILE}", ["--host", f"$({POD_IP_ENV})"]
+    rollout = _container("rollout", image, ["orbit", "rollout", config_file, *bind], settings, res.rollout,
                          [base_ro, config, {"name": "adapters", "mountPath": ADAPTERS_MOUNT, "readOnly": True},
                           {"name": "dshm", "mountPath": "/dev/shm"}])  # fmt: skip
     reference_device = "cuda" if res.reference.gpus else "cpu"  # its own GPUs, not the learner's
-    reference = _container("reference", image, ["orbit", "reference", f"{CONFIG_MOUNT}/{CONFIG_FILE}", "--device", reference_device],
+    reference = _container("reference", image, ["orbit", "reference", config_file, *bind, "--device", reference_device],
                            settings, res.reference, [base_ro, config])  # fmt: skip
     # the learner waits for a restarting role at least as long as the role's startup probe allows
-    learner = _container("learner", image, ["orbit", "learner", f"{CONFIG_MOUNT}/{CONFIG_FILE}", "--wait-seconds", "2100"], settings, res.learner,
+    learner = _container("learner", image, ["orbit", "learner", config_file, *bind, "--wait-seconds", "2100", "--termination-log",
+                                            TERMINATION_LOG], settings, res.learner,
                          [base_ro, config, {"name": "adapters", "mountPath": ADAPTERS_MOUNT},
                           {"name": "run", "mountPath": RUN_MOUNT}, {"name": "dshm", "mountPath": "/dev/shm"}])  # fmt: skip
+    # the final /status (JSON) or, when the learner fails, the end of its log: the operator reads it from the pod
+    learner.update(terminationMessagePath=TERMINATION_LOG, terminationMessagePolicy="FallbackToLogsOnError")
     if spec.base.pvc is not None:
         learner["volumeMounts"].append({"name": "base-source", "mountPath": DATA_MOUNT, "readOnly": True})
     ports = {**PORTS, "learner": settings.learner_status_port}

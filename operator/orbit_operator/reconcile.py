@@ -280,5 +280,7 @@ def _failure_reason(pod: dict) -> str:
     for container in [*(status.get("containerStatuses") or []), *(status.get("initContainerStatuses") or [])]:
         terminated = (container.get("state") or {}).get("terminated")
         if terminated and terminated.get("exitCode", 0) != 0:
-            return f"{container.get('name')}: {terminated.get('reason', 'Error')} (exit {terminated.get('exitCode')})"
+            reason = f"{container.get('name')}: {terminated.get('reason', 'Error')} (exit {terminated.get('exitCode')})"
+            last_line = next((line for line in reversed((terminated.get("message") or "").splitlines()) if line.strip()), "")
+            return f"{reason}: {last_line.strip()[:300]}" if last_line and not last_line.startswith("{") else reason
     return status.get("reason") or status.get("message") or "pod failed"

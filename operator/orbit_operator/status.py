@@ -4,6 +4,7 @@ the phase a pod's state means."""
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime
 
 PHASES = ("Pending", "Preparing", "Running", "Succeeded", "Failed", "Suspended")
@@ -32,6 +33,20 @@ def progress_from_learner(learner: dict) -> dict:
     if isinstance(learner.get("restarts"), dict):
         progress["roleRestarts"] = {str(k): int(v) for k, v in learner["restarts"].items()}
     return progress
+
+
+def learner_final_status(pod: dict | None) -> dict | None:
+    """A finished learner's last /status: its termination message (JSON), or None (it failed and the
+    message is the end of its log, or it wrote none)."""
+    for container in ((pod or {}).get("status") or {}).get("containerStatuses") or []:
+        message = ((container.get("state") or {}).get("terminated") or {}).get("message", "")
+        if container.get("name") == "learner" and message.startswith("{"):
+            try:
+                document = json.loads(message)
+            except ValueError:
+                return None
+            return document if isinstance(document, dict) and "step" in document else None
+    return None
 
 
 def set_condition(conditions: list[dict], type_: str, status: bool, reason: str, message: str, at: str | None = None) -> list[dict]:

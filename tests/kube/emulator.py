@@ -15,6 +15,9 @@ runs a subclass of it (:class:`EmulatorHandler`) on ``127.0.0.1:<free port>`` in
   is 409; no-op patches bump nothing and emit no watch event (as a real server);
 * DELETE of an object with finalizers sets ``deletionTimestamp`` and keeps it until the finalizers are gone
   (kmock does this; re-implemented here together with the rest of the write path);
+* graceful pod deletion: DELETE of a pod a node runs (``spec.nodeName`` set, not finished) sets
+  ``deletionTimestamp``/``deletionGracePeriodSeconds``; the node removes it with a second DELETE
+  (``gracePeriodSeconds=0``) once its processes are gone (tests/e2e/node.py does);
 * proper Status errors (``NotFound``, ``AlreadyExists``, ``Conflict``, ``Invalid``, ...); 404 for unknown
   resources; 405 for PUT and other unsupported verbs/subresources;
 * List responses with ``apiVersion``/``kind``/``resourceVersion``; ``labelSelector`` and ``fieldSelector``
@@ -385,7 +388,7 @@ class EmulatorHandler(kmock.KubernetesEmulator):
             if action == kmock.action.UPDATE:
                 obj = await self._patch(request, res, key, current)
             elif action == kmock.action.DELETE:
-                obj = await self._delete(res, key, current)
+                obj = await self._delete(res, key, current, self._grace_period(request, res, current))
             else:
                 raise _error(405, "MethodNotAllowed", f"{action} is not emulated")
             return aiohttp.web.json_response(obj)
@@ -486,10 +489,34 @@ class EmulatorHandler(kmock.KubernetesEmulator):
             await self._remove(res, key, new)
         return new
 
-    async def _delete(self, res: kmock.resource, key: Any, old: dict[str, Any]) -> dict[str, Any]:
+    @staticmethod
+    def _grace_period(request: kmock.Request, res: kmock.resource, obj: Mapping[str, Any]) -> int:
+        """A pod's graceful-deletion period: 0 unless a node runs it (``spec.nodeName``) and it has not
+        finished; then the request's ``gracePeriodSeconds`` or the pod's ``terminationGracePeriodSeconds``."""
+        running = (obj.get("spec") or {}).get("nodeName") and (obj.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
+        if res != kmock.resource("", "v1", "pods") or not running:
+            return 0
+        body = request.data if isinstance(request.data, Mapping) else {}
+        for raw in (request.params.get("gracePeriodSeconds"), body.get("gracePeriodSeconds")):
+            if raw is not None:
+                return max(0, int(raw))
+        return int(obj["spec"].get("terminationGracePeriodSeconds", 30))
+
+    async def _delete(self, res: kmock.resource, key: Any, old: dict[str, Any], grace_seconds: int = 0) -> dict[str, Any]:
+        """Remove the object, or mark it (``deletionTimestamp``) while finalizers or a node's graceful
+        shutdown of a pod (``grace_seconds`` > 0; the node deletes it again with 0 when its processes are
+        gone, as a kubelet does) hold it."""
         meta = old["metadata"]
-        if meta.get("deletionTimestamp"):
-            return old  # already being deleted, waiting for its finalizers
+        if meta.get("deletionTimestamp") and not (grace_seconds == 0 and not meta.get("finalizers")):
+            return old  # already being deleted, waiting for its finalizers or its node
+        if grace_seconds > 0:
+            new = copy.deepcopy(old)
+            stamp = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=grace_seconds)
+            new["metadata"].update(deletionTimestamp=stamp.strftime("%Y-%m-%dT%H:%M:%SZ"), deletionGracePeriodSeconds=grace_seconds,
+                                   resourceVersion=self._next_rv())  # fmt: skip
+            self._objects[key].history.append(new)
+            await self._emit(res, "MODIFIED", new)
+            return new
         if meta.get("finalizers"):
             new = copy.deepcopy(old)
             new["metadata"].update(

@@ -146,7 +146,14 @@ def test_pod_layout_mounts_security_and_resources():
     assert body["restartPolicy"] == "Never"  # a failed learner fails the pod; the operator resumes in a new one
     assert [learner["command"][1], rollout["command"][1], reference["command"][1]] == ["learner", "rollout", "reference"]
     assert reference["command"][-2:] == ["--device", "cuda"]  # its own GPU (resources.reference.gpus: 1)
-    assert learner["command"][-2:] == ["--wait-seconds", "2100"]  # longer than a role's startup probe
+    assert learner["command"][-4:-2] == ["--wait-seconds", "2100"]  # longer than a role's startup probe
+    assert learner["command"][-2:] == ["--termination-log", learner["terminationMessagePath"]]  # the final /status ...
+    assert learner["terminationMessagePolicy"] == "FallbackToLogsOnError"  # ... or, on failure, the end of its log
+    for container in (rollout, reference, learner):  # every role binds to the pod IP, and finds the others there
+        assert container["command"][3:5] == ["--host", "$(ORBIT_POD_IP)"]
+        assert container["env"][0] == {"name": "ORBIT_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+        urls = {e["name"]: e["value"] for e in container["env"] if e["name"].endswith("_URL")}
+        assert urls == {"ORBIT_ROLLOUT_URL": "http://$(ORBIT_POD_IP):8000", "ORBIT_REFERENCE_URL": "http://$(ORBIT_POD_IP):8001"}
     shared = build_pod("cpu", "ml", validate_job(_example("rljob-cpu.yaml")).spec, settings)
     assert [c["name"] for c in shared["spec"]["initContainers"]] == ["prepare-base", "rollout"]  # shared reference: no container
     host = {v["name"]: v for v in body["volumes"]}["base-cache"]["hostPath"]

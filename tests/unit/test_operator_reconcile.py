@@ -9,6 +9,7 @@ import yaml
 from orbit_operator.pod import build_configmap
 from orbit_operator.reconcile import Observed, plan
 from orbit_operator.settings import OperatorSettings
+from orbit_operator.status import learner_final_status
 from orbit_operator.validation import validate_job
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,6 +65,27 @@ def test_running_pod_progress_comes_from_the_learner_status():
     assert decided.status["phase"] == "Running" and progress["stepText"] == "3/4" and progress["reward"] == 0.5
     assert progress["lastCheckpoint"]["step"] == 2 and progress["roleRestarts"] == {"rollout": 1}
     assert decided.create_pod is None and not decided.delete_pods
+
+
+def test_a_finished_learner_s_termination_message_is_its_final_progress():
+    """The learner exits between two polls: its last /status reaches the job through the pod status."""
+    final = '{"phase":"succeeded","step":4,"maxSteps":4,"adapterVersion":4,"lastCheckpoint":{"uri":"s3://b/j/step-00000004","step":4}}'
+    learner = {"name": "learner", "state": {"terminated": {"exitCode": 0, "reason": "Completed", "message": final}}}
+    finished = pod("quickstart-cpu-0", "Succeeded", containerStatuses=[learner])
+    assert learner_final_status(finished)["step"] == 4
+    status = {"phase": "Running", "attempt": 0, "podName": "quickstart-cpu-0", "startTime": "2026-11-30T12:00:00Z",
+              "progress": {"step": 3, "maxSteps": 4, "stepText": "3/4"}}  # fmt: skip
+    decided = plan(Observed(job(status), [finished], configmap(JOB), T0, learner_final_status(finished)), SETTINGS)
+    assert decided.status["phase"] == "Succeeded" and decided.status["progress"]["stepText"] == "4/4"
+    assert decided.status["progress"]["lastCheckpoint"]["step"] == 4
+    # a failed learner's message is the end of its log (FallbackToLogsOnError): no progress, but the failure's reason
+    crashed = {"name": "learner", "state": {"terminated": {"exitCode": 1, "reason": "Error",
+                                                           "message": "step 3\norbit: error: s3://b/j: access denied\n"}}}  # fmt: skip
+    failed = pod("quickstart-cpu-0", "Failed", containerStatuses=[crashed])
+    assert learner_final_status(failed) is None
+    decided = plan(Observed(job({**status, "failures": 0}), [failed], configmap(JOB), T0), SETTINGS)
+    reason = [e for e in decided.events if e[1] == "PodFailed"][0][2]
+    assert "learner: Error (exit 1): orbit: error: s3://b/j: access denied" in reason
 
 
 def test_a_failed_pod_is_replaced_after_backoff_until_the_limit():

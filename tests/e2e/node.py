@@ -1,0 +1,592 @@
+"""A test node: runs the emulator's pods as sandboxed processes on this machine (a small kubelet).
+
+The operator creates pods in the API (tests/kube/emulator.py); :class:`ProcessNode` plays the
+kubelet of one node, so a job really runs: its containers' commands run here, each in a
+`bwrap` (bubblewrap) sandbox that reproduces what the pod asks for.
+
+What it does, as a kubelet would:
+
+* **Claims** every unfinished pod that no node runs (sets ``spec.nodeName``: there is no
+  scheduler) and gives it its own **pod IP**, a loopback address ``127.0.0.<n>``, written to
+  ``status.podIP`` before any container starts. All containers of a pod share it; two pods
+  never do, so their roles can use the same ports (the roles bind to the pod IP).
+* **Volumes**: emptyDir (a directory per pod), hostPath (the host path; ``DirectoryOrCreate``
+  creates it), configMap and secret (their keys written as files, always read-only), with
+  ``subPath`` (created when missing, as the kubelet does) and ``readOnly`` (a read-only bind:
+  writes fail with EROFS in the sandbox).
+* **Sandbox** per container: its own user (``runAsUser``/``runAsGroup`` in a user namespace),
+  PID (the command is PID 1, as in a container: SIGTERM only reaches it if it handles it),
+  IPC and UTS namespaces; a root made of the host's directories bound read-only, on a tmpfs
+  that is itself remounted read-only when ``readOnlyRootFilesystem`` is true; the pod's
+  mounts at their mount paths; ``/dev``, ``/proc``; the environment (``value`` with ``$(VAR)``
+  expansion, ``fieldRef``, ``secretKeyRef``, ``configMapKeyRef``, ``envFrom``); ``workingDir``;
+  ``command`` + ``args`` expanded the same way.
+* **Order**: init containers one after another (each to completion; a failure fails the pod
+  under ``restartPolicy: Never``); native sidecars (init containers with ``restartPolicy:
+  Always``) started in order, the next one waiting until the sidecar's ``startupProbe``
+  passes, restarted whenever they exit (``restartCount``), stopped after the main containers
+  in reverse order; then the main containers. The pod is Succeeded when every main container
+  exited 0, else Failed (``restartPolicy: Never``; ``OnFailure``/``Always`` restart them).
+* **Probes**: ``startupProbe`` (a container that misses its deadline is killed and restarted)
+  and ``readinessProbe`` (the ``ready`` flags and conditions), ``httpGet`` at the pod IP. They
+  are polled every :attr:`ProcessNode.probe_interval` seconds rather than ``periodSeconds``;
+  the startup deadline is ``initialDelaySeconds + periodSeconds * failureThreshold``.
+* **Status**: phase, conditions, podIP(s), hostIP, ``initContainerStatuses`` and
+  ``containerStatuses`` with waiting/running/terminated states, exit codes (128+N for a signal,
+  137 for SIGKILL), ``lastState`` and ``restartCount``, written through the status subresource.
+* **Deletion**: a pod marked for deletion (the emulator's graceful deletion) gets SIGTERM in
+  its main containers, then its sidecars in reverse order, SIGKILL after
+  ``deletionGracePeriodSeconds``; the node then removes the pod (DELETE with grace 0).
+
+Not emulated: images (the host's files and this Python environment stand in for every image:
+the host root is visible read-only, and the repository, the venv and the interpreter are bound
+again where a pod volume hides them), resource requests and limits, scheduling (nodeSelector,
+affinity, taints), livenessProbe, network isolation (the pods share the host's network
+namespace: only the distinct pod IPs separate them), persistentVolumeClaim volumes (such a pod
+fails with reason ``Unsupported``), image pulls, and container logs through the API (they are
+files: :meth:`ProcessNode.log`).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import logging
+import os
+import pwd
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from tests.kube.emulator import REPO_ROOT, KubeApiError, KubeEmulator, _now
+
+log = logging.getLogger(__name__)
+BWRAP = "bwrap"
+_VAR = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+
+
+def expand(text: str, env: dict[str, str]) -> str:
+    """Kubernetes' `$(VAR)` expansion: a defined variable is substituted, `$$` is `$`, anything else stays."""
+    return _VAR.sub(lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)), text)
+
+
+class PodError(Exception):
+    """The pod cannot run on this node (a missing ConfigMap, an unsupported volume)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class Container:
+    """One container of a running pod: its spec, process and reported state."""
+
+    def __init__(self, spec: dict, kind: str) -> None:
+        self.spec, self.kind = spec, kind  # kind: init | sidecar | main
+        self.name: str = spec["name"]
+        self.proc: subprocess.Popen | None = None
+        self.restarts = 0
+        self.state: dict = {"waiting": {"reason": "PodInitializing"}}
+        self.last_state: dict = {}
+        self.started = self.ready = False
+        self.started_at = 0.0
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def main_pid(self) -> int | None:
+        """The host PID of the container's command (bwrap's child, PID 1 in the sandbox)."""
+        if not self.running:
+            return None
+        with contextlib.suppress(OSError):
+            children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
+            return int(children[0]) if children else None
+        return None
+
+    def status(self) -> dict:
+        doc = {"name": self.name, "image": self.spec.get("image", ""), "imageID": "", "ready": self.ready,
+               "started": self.started, "restartCount": self.restarts, "state": self.state}  # fmt: skip
+        if self.last_state:
+            doc["lastState"] = self.last_state
+        return doc
+
+
+class PodRunner(threading.Thread):
+    """Runs one pod from claim to end (a thread per pod)."""
+
+    def __init__(self, node: ProcessNode, pod: dict, ip: str) -> None:
+        meta = pod["metadata"]
+        super().__init__(name=f"pod-{meta['namespace']}-{meta['name']}", daemon=True)
+        self.node, self.pod, self.ip = node, pod, ip
+        self.namespace, self.pod_name = meta["namespace"], meta["name"]
+        self.dir = node.root / "pods" / f"{self.namespace}_{self.pod_name}_{meta['uid'][:8]}"
+        spec = pod["spec"]
+        self.containers = [Container(c, "sidecar" if c.get("restartPolicy") == "Always" else "init")
+                           for c in spec.get("initContainers", [])]  # fmt: skip
+        self.containers += [Container(c, "main") for c in spec.get("containers", [])]
+        self.phase, self.reason, self.message = "Pending", None, None
+        self.initialized = False
+        self.delete_requested = threading.Event()
+        self.grace_seconds = float(spec.get("terminationGracePeriodSeconds", 30))
+        self.volumes: dict[str, tuple[Path, bool]] = {}  # name -> (host path, always read-only)
+        self._reported: dict | None = None
+        self._next_probe = 0.0
+
+    # -- the pod's life --
+
+    def run(self) -> None:
+        try:
+            self._run()
+        except PodError as exc:
+            self.phase, self.reason, self.message = "Failed", exc.reason, str(exc)
+        except Exception as exc:  # a bug here must not leave a pod Running forever
+            log.exception("pod %s/%s", self.namespace, self.pod_name)
+            self.phase, self.reason, self.message = "Failed", "NodeError", f"{type(exc).__name__}: {exc}"
+        finally:
+            self._terminate_all(self.grace_seconds if self.delete_requested.is_set() else 10.0)
+            with contextlib.suppress(KubeApiError):
+                self._report()
+            if self.delete_requested.is_set():
+                self.node.kube.request("DELETE", self._path(), {"gracePeriodSeconds": 0})
+            self.node.release(self)
+
+    def _run(self) -> None:
+        self._report()
+        self._prepare_volumes()
+        for container in (c for c in self.containers if c.kind != "main"):
+            if container.kind == "init" and not self._run_to_completion(container):
+                return
+            if container.kind == "sidecar" and not self._start_sidecar(container):
+                return
+        self.initialized = True
+        for container in self.containers:
+            if container.kind == "main":
+                self._start(container)
+        self.phase = "Running"
+        self._report()
+        while not self.delete_requested.is_set():
+            mains = [c for c in self.containers if c.kind == "main"]
+            for container in self.containers:
+                if container.proc is not None and not container.running and "running" in container.state:
+                    self._exited(container)
+                    if self._restarts(container):
+                        self._start(container)
+            self._probe_readiness()
+            if all(not c.running and "terminated" in c.state for c in mains):
+                failed = [c for c in mains if c.state["terminated"]["exitCode"] != 0]
+                self.phase = "Failed" if failed else "Succeeded"
+                return
+            self._report()
+            time.sleep(0.2)
+
+    def _restarts(self, container: Container) -> bool:
+        if container.kind == "sidecar":
+            return True
+        policy = self.pod["spec"].get("restartPolicy", "Always")
+        return policy == "Always" or (policy == "OnFailure" and container.state["terminated"]["exitCode"] != 0)
+
+    def _run_to_completion(self, container: Container) -> bool:
+        """An init container: run until it exits 0 (restarted on failure unless restartPolicy is Never)."""
+        while True:
+            self._start(container)
+            self._report()
+            while container.running and not self.delete_requested.is_set():
+                time.sleep(0.2)
+            if self.delete_requested.is_set():
+                return False
+            self._exited(container)
+            if container.state["terminated"]["exitCode"] == 0:
+                return True
+            if self.pod["spec"].get("restartPolicy", "Always") == "Never":
+                self.phase, self.reason = "Failed", None
+                self.message = f"init container {container.name} failed (exit {container.state['terminated']['exitCode']})"
+                return False
+            time.sleep(min(10, 2**container.restarts))
+
+    def _start_sidecar(self, container: Container) -> bool:
+        """A native sidecar: start it; the next container waits until its startup probe passes."""
+        self._start(container)
+        probe = container.spec.get("startupProbe")
+        deadline = self._probe_deadline(probe)
+        while not self.delete_requested.is_set():
+            if not container.running:
+                self._exited(container)
+                time.sleep(1.0)
+                self._start(container)
+                deadline = self._probe_deadline(probe)
+            elif probe is None or self._probe(container, probe):
+                container.started = True
+                self._report()
+                return True
+            elif time.monotonic() > deadline:  # the kubelet kills a container that never starts
+                self._signal(container, signal.SIGKILL)
+                container.proc.wait()
+            self._report()
+            time.sleep(self.node.probe_interval)
+        return False
+
+    @staticmethod
+    def _probe_deadline(probe: dict | None) -> float:
+        if probe is None:
+            return float("inf")
+        budget = probe.get("initialDelaySeconds", 0) + probe.get("periodSeconds", 10) * probe.get("failureThreshold", 3)
+        return time.monotonic() + budget
+
+    def _probe_readiness(self) -> None:
+        if time.monotonic() < self._next_probe:
+            return
+        self._next_probe = time.monotonic() + self.node.probe_interval
+        for container in self.containers:
+            if not container.running or container.kind == "init":
+                container.ready = False
+                continue
+            startup, readiness = container.spec.get("startupProbe"), container.spec.get("readinessProbe")
+            if not container.started:
+                container.started = startup is None or self._probe(container, startup)
+            container.ready = container.started and (readiness is None or self._probe(container, readiness))
+
+    def _probe(self, container: Container, probe: dict) -> bool:
+        get = probe.get("httpGet")
+        if get is None:
+            return True  # exec/tcp probes are not emulated: treated as passing
+        port = get["port"]
+        if isinstance(port, str):
+            port = next(p["containerPort"] for p in container.spec.get("ports", []) if p.get("name") == port)
+        url = f"http://{self.ip}:{port}{get.get('path', '/')}"
+        try:
+            with self.node.http.open(url, timeout=2) as response:
+                return 200 <= response.status < 400
+        except OSError:
+            return False
+
+    # -- processes --
+
+    def _start(self, container: Container) -> None:
+        if container.proc is not None:
+            container.restarts += 1
+        env = self._env(container)
+        command = [expand(a, env) for a in container.spec.get("command", []) + container.spec.get("args", [])]
+        log_path = self.node.log_path(self.namespace, self.pod_name, container.name)
+        with open(log_path, "ab") as out:
+            out.write(f"--- {_now()} start #{container.restarts}: {' '.join(command)}\n".encode())
+            out.flush()
+            container.proc = subprocess.Popen(self._sandbox(container, env) + ["--", *command], stdout=out,
+                                              stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)  # fmt: skip
+        container.started_at = time.monotonic()
+        container.state = {"running": {"startedAt": _now()}}
+        container.started = container.kind == "main" and container.spec.get("startupProbe") is None
+
+    def _exited(self, container: Container) -> None:
+        code = container.proc.wait()
+        code = 128 - code if code < 0 else code  # killed by a signal (bwrap itself reports 128+N)
+        started = container.state.get("running", {}).get("startedAt", _now())
+        container.state = {"terminated": {"exitCode": code, "reason": "Completed" if code == 0 else "Error",
+                                          "startedAt": started, "finishedAt": _now()}}  # fmt: skip
+        message = self._termination_message(container, code)
+        if message:
+            container.state["terminated"]["message"] = message
+        container.last_state = {"terminated": container.state["terminated"]}
+        container.ready = container.started = False
+
+    def _signal(self, container: Container, sig: int) -> None:
+        pid = container.main_pid()
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        elif container.running and sig == signal.SIGKILL:
+            container.proc.kill()
+
+    def _terminate_all(self, grace: float) -> None:
+        """SIGTERM the main containers, then the sidecars in reverse order; SIGKILL what outlives GRACE."""
+        deadline = time.monotonic() + grace
+        mains = [c for c in self.containers if c.kind == "main"]
+        others = [c for c in reversed(self.containers) if c.kind != "main"]
+        for group in (mains, others):
+            for container in group:
+                self._signal(container, signal.SIGTERM)
+            for container in group:
+                while container.running and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                if container.running:
+                    self._signal(container, signal.SIGKILL)
+                    container.proc.kill()  # bwrap too, if it never started the command
+                if container.proc is not None and "running" in container.state:
+                    self._exited(container)
+
+    # -- what a container sees --
+
+    def _env(self, container: Container) -> dict[str, str]:
+        env = {"PATH": self.node.image_path_env, "HOSTNAME": self.pod_name}
+        for source in container.spec.get("envFrom", []):
+            prefix = source.get("prefix", "")
+            for kind in ("secretRef", "configMapRef"):
+                if kind in source:
+                    data = self._data("secrets" if kind == "secretRef" else "configmaps", source[kind]["name"])
+                    env.update({prefix + k: v for k, v in data.items()})
+        for item in container.spec.get("env", []):
+            if "value" in item:
+                env[item["name"]] = expand(item["value"], env)
+            else:
+                env[item["name"]] = self._value_from(item["valueFrom"])
+        return env
+
+    def _value_from(self, source: dict) -> str:
+        if "fieldRef" in source:
+            fields = {"status.podIP": self.ip, "status.hostIP": self.node.host_ip, "metadata.name": self.pod_name,
+                      "metadata.namespace": self.namespace, "spec.nodeName": self.node.name,
+                      "metadata.uid": self.pod["metadata"]["uid"]}  # fmt: skip
+            return fields[source["fieldRef"]["fieldPath"]]
+        for kind, resource in (("secretKeyRef", "secrets"), ("configMapKeyRef", "configmaps")):
+            if kind in source:
+                return self._data(resource, source[kind]["name"])[source[kind]["key"]]
+        raise PodError("Unsupported", f"env valueFrom {sorted(source)} is not emulated")
+
+    def _data(self, resource: str, name: str) -> dict[str, str]:
+        obj = self.node.kube.get(self.node.kube.path(f"v1/{resource}", self.namespace, name))
+        if obj is None:
+            raise PodError("CreateContainerConfigError", f'{resource[:-1]} "{name}" not found')
+        if resource == "secrets":
+            return {k: base64.b64decode(v).decode() for k, v in (obj.get("data") or {}).items()}
+        return dict(obj.get("data") or {})
+
+    def _prepare_volumes(self) -> None:
+        for volume in self.pod["spec"].get("volumes", []):
+            name = volume["name"]
+            if "emptyDir" in volume:
+                path = self.dir / "volumes" / name
+                path.mkdir(parents=True, exist_ok=True)
+                self.volumes[name] = (path, False)
+            elif "hostPath" in volume:
+                path, kind = Path(volume["hostPath"]["path"]), volume["hostPath"].get("type", "")
+                if kind == "DirectoryOrCreate":
+                    path.mkdir(parents=True, exist_ok=True)
+                elif kind == "Directory" and not path.is_dir():
+                    raise PodError("FailedMount", f"hostPath {path} is not a directory")
+                self.volumes[name] = (path, False)
+            elif "configMap" in volume or "secret" in volume:
+                kind = "configMap" if "configMap" in volume else "secret"
+                ref = volume[kind].get("name") or volume[kind].get("secretName")
+                data = self._data("configmaps" if kind == "configMap" else "secrets", ref)
+                path = self.dir / "volumes" / name
+                path.mkdir(parents=True, exist_ok=True)
+                for key, value in data.items():
+                    (path / key).write_text(value)
+                self.volumes[name] = (path, True)
+            else:
+                raise PodError("Unsupported", f"volume {name}: {sorted(set(volume) - {'name'})} is not emulated by the test node")
+
+    def _sandbox(self, container: Container, env: dict[str, str]) -> list[str]:
+        security = {**(self.pod["spec"].get("securityContext") or {}), **(container.spec.get("securityContext") or {})}
+        uid, gid = int(security.get("runAsUser", 0)), int(security.get("runAsGroup", security.get("runAsUser", 0)))
+        binds: list[tuple[str, str, bool]] = []  # (host source, sandbox path, read-only)
+        for mount in container.spec.get("volumeMounts", []):
+            if mount["name"] not in self.volumes:
+                raise PodError("FailedMount", f"container {container.name}: no volume {mount['name']!r}")
+            source, always_ro = self.volumes[mount["name"]]
+            if mount.get("subPath"):
+                source = source / mount["subPath"]
+                if not always_ro:
+                    source.mkdir(parents=True, exist_ok=True)
+            binds.append((str(source), os.path.realpath(mount["mountPath"]), always_ro or bool(mount.get("readOnly"))))
+        if uid:
+            binds += self._identity_files(uid, gid)
+        message = self._termination_file(container)
+        message.write_bytes(b"")  # a fresh one per start, as the kubelet's
+        binds.append((str(message), container.spec.get("terminationMessagePath", "/dev/termination-log"), False))
+        hidden = [b[1] for b in binds]
+        binds += [(p, p, True) for p in self.node.image_paths if any(p.startswith(h + "/") for h in hidden)]
+        args = [BWRAP, "--die-with-parent", "--unshare-user", "--uid", str(uid), "--gid", str(gid), "--unshare-pid",
+                "--as-pid-1", "--unshare-ipc", "--unshare-uts", "--hostname", self.pod_name[:63]]  # fmt: skip
+        args += _mirror_host_root("/", {b[1] for b in binds})
+        args += ["--dev", "/dev", "--proc", "/proc"]
+        for source, target, read_only in sorted(binds, key=lambda b: b[1].count("/")):  # parents first
+            args += ["--ro-bind" if read_only else "--bind", source, target]
+        if security.get("readOnlyRootFilesystem"):
+            args += ["--remount-ro", "/"]
+        args += ["--chdir", container.spec.get("workingDir", "/"), "--clearenv"]
+        for key, value in env.items():
+            args += ["--setenv", key, value]
+        return args
+
+    def _termination_file(self, container: Container) -> Path:
+        path = self.dir / "termination" / container.name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def _termination_message(self, container: Container, exit_code: int) -> str:
+        """What the container wrote to its terminationMessagePath (4 KiB at most); with
+        FallbackToLogsOnError and nothing written, the end of this run's log after a failure."""
+        written = self._termination_file(container).read_bytes()[:4096].decode(errors="replace")
+        if written or exit_code == 0 or container.spec.get("terminationMessagePolicy") != "FallbackToLogsOnError":
+            return written
+        output = self.node.log(self.namespace, self.pod_name, container.name).rsplit("\n--- ", 1)[-1]
+        return "\n".join(output.splitlines()[1:][-80:])[-2048:]
+
+    def _identity_files(self, uid: int, gid: int) -> list[tuple[str, str, bool]]:
+        """/etc/passwd and /etc/group naming the pod's user, as a runtime image does for its user."""
+        try:
+            pwd.getpwuid(uid)
+            return []
+        except KeyError:
+            pass
+        files = self.dir / "etc"
+        files.mkdir(parents=True, exist_ok=True)
+        (files / "passwd").write_text(Path("/etc/passwd").read_text() + f"orbit:x:{uid}:{gid}::/tmp:/usr/sbin/nologin\n")
+        (files / "group").write_text(Path("/etc/group").read_text() + f"orbit:x:{gid}:\n")
+        return [(str(files / "passwd"), "/etc/passwd", True), (str(files / "group"), "/etc/group", True)]
+
+    # -- status --
+
+    def _path(self) -> str:
+        return self.node.kube.path("v1/pods", self.namespace, self.pod_name)
+
+    def _report(self) -> None:
+        """Write the pod's status (only when it changed)."""
+        statuses = {kind: [c.status() for c in self.containers if (c.kind == "main") == (kind == "main")]
+                    for kind in ("init", "main")}  # fmt: skip
+        ready = self.phase == "Running" and all(c.ready for c in self.containers if c.kind != "init")
+        conditions = [{"type": t, "status": str(value)} for t, value in
+                      (("PodScheduled", True), ("Initialized", self.initialized), ("ContainersReady", ready), ("Ready", ready))]  # fmt: skip
+        status = {"phase": self.phase, "podIP": self.ip, "podIPs": [{"ip": self.ip}], "hostIP": self.node.host_ip,
+                  "startTime": self.pod["metadata"]["creationTimestamp"], "conditions": conditions,
+                  "initContainerStatuses": statuses["init"], "containerStatuses": statuses["main"]}  # fmt: skip
+        for key in ("reason", "message"):
+            if getattr(self, key):
+                status[key] = getattr(self, key)
+        if status != self._reported:
+            try:
+                self.node.kube.patch_status(self._path(), status)
+            except KubeApiError as exc:
+                if exc.status != 404:
+                    raise
+            self._reported = status
+
+
+def _mirror_host_root(directory: str, mount_points: set[str]) -> list[str]:
+    """bwrap arguments that rebuild the host's tree read-only on the sandbox's tmpfs root, leaving
+    every mount point to its mount: a directory on the way to one is recreated and its other
+    entries bound one by one, so no mount point is ever created on the host."""
+    args: list[str] = []
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name)
+        if path in ("/proc", "/dev") or path in mount_points:
+            continue
+        if os.path.islink(path):
+            args += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path) and any(m.startswith(path + "/") for m in mount_points):
+            args += ["--dir", path, *_mirror_host_root(path, mount_points)]
+        else:
+            args += ["--ro-bind", path, path]
+    return args
+
+
+class ProcessNode:
+    """The node: claims the emulator's pods and runs each in a :class:`PodRunner` thread.
+
+    ``root``: where pod directories (emptyDirs, ConfigMap files) and container logs go.
+    """
+
+    probe_interval = 0.5
+    host_ip = "127.0.0.1"
+
+    def __init__(self, kube: KubeEmulator, root: Path, name: str = "test-node") -> None:
+        self.kube, self.root, self.name = kube, Path(root), name
+        (self.root / "logs").mkdir(parents=True, exist_ok=True)
+        venv_bin = str(Path(sys.executable).parent)
+        self.image_path_env = f"{venv_bin}:/usr/local/bin:/usr/bin:/bin"
+        # the "image": this repository (an editable install), its venv and the interpreter
+        self.image_paths = sorted({str(REPO_ROOT), sys.prefix, sys.base_prefix} - {"/", "/usr"})
+        self.http = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        self.runners: dict[str, PodRunner] = {}  # pod uid -> runner
+        self._free_ips = [f"127.0.0.{n}" for n in range(10, 251)]
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="test-node", daemon=True)
+
+    def start(self) -> ProcessNode:
+        subprocess.run([BWRAP, "--version"], check=True, capture_output=True)  # `make test` installs bubblewrap
+        self._thread.start()
+        return self
+
+    def stop(self, grace: float = 5.0) -> None:
+        """Stop watching and end every pod's processes (SIGTERM, SIGKILL after GRACE seconds)."""
+        self._stopping.set()
+        self._thread.join(10)
+        for runner in list(self.runners.values()):
+            runner.grace_seconds = grace
+            runner.delete_requested.set()
+        for runner in list(self.runners.values()):
+            runner.join(grace + 10)
+
+    def __enter__(self) -> ProcessNode:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- for tests --
+
+    def log_path(self, namespace: str, pod: str, container: str) -> Path:
+        return self.root / "logs" / f"{namespace}_{pod}_{container}.log"
+
+    def log(self, namespace: str, pod: str, container: str) -> str:
+        path = self.log_path(namespace, pod, container)
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def runner(self, namespace: str, pod: str) -> PodRunner:
+        found = [r for r in list(self.runners.values()) if (r.namespace, r.pod_name) == (namespace, pod)]
+        if not found:
+            raise KeyError(f"pod {namespace}/{pod} is not running on this node")
+        return found[-1]
+
+    def kill(self, namespace: str, pod: str, container: str, sig: int = signal.SIGKILL) -> None:
+        """Send SIG to the container's command (its PID 1), as `kill` on the node would."""
+        found = next(c for c in self.runner(namespace, pod).containers if c.name == container)
+        pid = found.main_pid()
+        if pid is None:
+            raise RuntimeError(f"{namespace}/{pod}/{container} is not running")
+        os.kill(pid, sig)
+
+    # -- the kubelet loop --
+
+    def release(self, runner: PodRunner) -> None:
+        with self._lock:
+            self.runners.pop(runner.pod["metadata"]["uid"], None)
+            self._free_ips.append(runner.ip)  # reused last: a pod IP is not handed out again soon
+
+    def _watch(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                self._sync(self.kube.list_pods(None))
+            except (KubeApiError, OSError) as exc:
+                log.warning("test node: listing pods failed: %s", exc)
+            self._stopping.wait(0.3)
+
+    def _sync(self, pods: list[dict[str, Any]]) -> None:
+        seen = {p["metadata"]["uid"]: p for p in pods}
+        for uid, runner in list(self.runners.items()):
+            pod = seen.get(uid)
+            if pod is None or pod["metadata"].get("deletionTimestamp"):
+                if pod is not None:
+                    runner.grace_seconds = float(pod["metadata"].get("deletionGracePeriodSeconds", runner.grace_seconds))
+                runner.delete_requested.set()
+        for uid, pod in seen.items():
+            spec, phase = pod.get("spec") or {}, (pod.get("status") or {}).get("phase")
+            if uid in self.runners or spec.get("nodeName") or phase in ("Succeeded", "Failed"):
+                continue
+            if pod["metadata"].get("deletionTimestamp"):
+                continue
+            with contextlib.suppress(KubeApiError):  # gone meanwhile: nothing to run
+                claimed = self.kube.patch(self.kube.path("v1/pods", pod["metadata"]["namespace"], pod["metadata"]["name"]),
+                                          {"spec": {"nodeName": self.name}})  # fmt: skip
+                with self._lock:
+                    runner = PodRunner(self, claimed, self._free_ips.pop(0))
+                    self.runners[uid] = runner
+                runner.start()
