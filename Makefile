@@ -73,7 +73,7 @@ test-tools:
 test: install test-tools
 	$(PY) -m pytest
 
-test-fast: install
+test-fast: install test-tools
 	$(PY) -m pytest -m "not vllm"
 
 demo: install

@@ -7,8 +7,9 @@ same code `orbit train` uses when it starts the roles itself as child processes:
     orbit learner CONFIG     the RL loop against the rollout and reference URLs (no child processes);
                              resumes from the newest checkpoint of its config when there is one
 
-The URLs and the shared adapter directory come from options or the pod's environment
-(ORBIT_ROLLOUT_URL, ORBIT_REFERENCE_URL, ORBIT_ADAPTERS_DIR; see orbit_operator.pod).
+The learner finds the rollout and reference at ports 8000 and 8001 of its own bind address
+(the pod IP in a pod; see orbit_operator.pod), or at ORBIT_ROLLOUT_URL / ORBIT_REFERENCE_URL;
+the shared adapter directory is ORBIT_ADAPTERS_DIR.
 """
 
 from __future__ import annotations
@@ -73,8 +74,8 @@ def register(app: typer.Typer, fail, configure_logging) -> None:
     @app.command()
     def learner(
         config: ConfigArg,
-        rollout_url: Annotated[str, typer.Option(envvar="ORBIT_ROLLOUT_URL", help="The rollout role.")] = "http://127.0.0.1:8000",
-        reference_url: Annotated[str, typer.Option(envvar="ORBIT_REFERENCE_URL", help="The reference role (reference.mode: server).")] = "http://127.0.0.1:8001",
+        rollout_url: Annotated[str | None, typer.Option(envvar="ORBIT_ROLLOUT_URL", help="The rollout role (default: port 8000 at --host).")] = None,
+        reference_url: Annotated[str | None, typer.Option(envvar="ORBIT_REFERENCE_URL", help="The reference role, reference.mode: server (default: port 8001 at --host).")] = None,
         adapters_dir: Annotated[Path | None, typer.Option(envvar="ORBIT_ADAPTERS_DIR", help="Where adapter versions are published for the rollout to load.")] = None,
         wait_seconds: Annotated[float, typer.Option(help="How long to wait for a role to answer (at start, or after it restarted).")] = 600.0,
         host: Annotated[str | None, typer.Option(help="Address for /metrics, /healthz and /status (default: the config's metrics.host).")] = None,
@@ -90,22 +91,31 @@ def register(app: typer.Typer, fail, configure_logging) -> None:
         spec = load(config)
         if host is not None:
             spec.metrics.host = host
+        rollout_url = rollout_url or http_url(host or "127.0.0.1", 8000)  # the pod's other containers: same IP
+        reference_url = reference_url or http_url(host or "127.0.0.1", 8001)
         configure_logging()
         external = ExternalRoles(rollout_url=rollout_url, reference_url=reference_url if spec.reference.mode == "server" else None,
                                  adapters_dir=adapters_dir, wait_s=wait_seconds)  # fmt: skip
-        trainer = Trainer(spec, resume=False, external=external)
+        trainer = None
         try:
+            trainer = Trainer(spec, resume=False, external=external)  # loads the base, restores a checkpoint: may fail too
             summary = trainer.run()
         except (OrbitError, SyncError, RoleDied) as exc:
             fail(exc)  # no termination message: the pod's FallbackToLogsOnError shows this line
         except OSError as exc:
             fail(OrbitError(f"{type(exc).__name__}: {exc}"))
         except KeyboardInterrupt as stop:
-            write_termination_message(termination_log, trainer.status())
+            if trainer is not None:
+                write_termination_message(termination_log, trainer.status())
             signum = stop.args[0] if stop.args and isinstance(stop.args[0], int) else 2
             raise typer.Exit(code=128 + signum) from None
         write_termination_message(termination_log, trainer.status())
         typer.echo(json.dumps(summary))
+
+
+def http_url(host: str, port: int) -> str:
+    """http://HOST:PORT, with an IPv6 address in brackets."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def write_termination_message(path: Path | None, status: dict) -> None:

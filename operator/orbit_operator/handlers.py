@@ -66,7 +66,8 @@ def learner_status(pod: dict | None) -> dict | None:
     if not ip:
         return None
     try:
-        response = httpx.get(f"http://{ip}:{SETTINGS.learner_status_port}/status", timeout=2.0)
+        host = f"[{ip}]" if ":" in ip else ip  # an IPv6 pod IP
+        response = httpx.get(f"http://{host}:{SETTINGS.learner_status_port}/status", timeout=2.0)
         response.raise_for_status()
         return response.json()
     except (httpx.HTTPError, ValueError) as exc:

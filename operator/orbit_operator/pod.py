@@ -24,7 +24,8 @@ read from the base's PVC, mounted read-only in the learner at /data. Every conta
 as non-root with a read-only root filesystem, no privilege escalation and no capabilities.
 
 Every role binds to the pod IP (downward API `status.podIP`), which is also how they reach
-each other: the kubelet's probes, Prometheus and the operator's `/status` poll all use the
+each other (`orbit learner --host <pod IP>` finds the rollout at port 8000 and the reference
+at 8001 of that address, bracketed for IPv6): the kubelet's probes, Prometheus and the operator's `/status` poll all use the
 pod IP, and two pods sharing one network namespace (the end-to-end test node) never clash.
 The cost: `kubectl port-forward` (which dials localhost inside the pod) does not reach them.
 
@@ -54,7 +55,7 @@ DATA_MOUNT = "/data"  # the base's PVC, read-only, in the learner (file data)
 CONFIG_FILE = "job.yaml"
 TERMINATION_LOG = "/dev/termination-log"  # the learner's final /status, read by the operator from the pod status
 APPLIED_SPEC_FILE = "spec.json"  # the RLTrainingJob spec the job's pods are built from
-PORTS = {"rollout": 8000, "reference": 8001}  # the learner's is the operator's learner_status_port
+PORTS = {"rollout": 8000, "reference": 8001}  # `orbit learner` finds them there; its own is the operator's learner_status_port
 LABEL_JOB = f"{GROUP}/job"
 LABEL_ATTEMPT = f"{GROUP}/attempt"
 LABEL_ROLE = f"{GROUP}/component"
@@ -151,7 +152,7 @@ POD_IP_ENV = "ORBIT_POD_IP"  # the pod's IP (downward API); every role binds to 
 
 
 def _env(settings: OperatorSettings, role: str) -> list[dict]:
-    """The roles' environment. The pod IP comes first: later values refer to it as $(ORBIT_POD_IP)."""
+    """The roles' environment: the pod IP (downward API) first, so later values could refer to $(ORBIT_POD_IP)."""
     env = {
         "HOME": "/tmp",
         "XDG_CACHE_HOME": "/tmp/.cache",
@@ -160,8 +161,6 @@ def _env(settings: OperatorSettings, role: str) -> list[dict]:
         "ORBIT_CONFIG": f"{CONFIG_MOUNT}/{CONFIG_FILE}",
         "ORBIT_BASE_DIR": BASE_MOUNT,
         "ORBIT_ADAPTERS_DIR": ADAPTERS_MOUNT,
-        "ORBIT_ROLLOUT_URL": f"http://$({POD_IP_ENV}):{PORTS['rollout']}",
-        "ORBIT_REFERENCE_URL": f"http://$({POD_IP_ENV}):{PORTS['reference']}",
         **settings.extra_pod_env,
     }
     pod_ip = {"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}

@@ -282,5 +282,8 @@ def _failure_reason(pod: dict) -> str:
         if terminated and terminated.get("exitCode", 0) != 0:
             reason = f"{container.get('name')}: {terminated.get('reason', 'Error')} (exit {terminated.get('exitCode')})"
             last_line = next((line for line in reversed((terminated.get("message") or "").splitlines()) if line.strip()), "")
-            return f"{reason}: {last_line.strip()[:300]}" if last_line and not last_line.startswith("{") else reason
+            # an error exit's message is the end of its log (FallbackToLogsOnError): its last line says why;
+            # after a signal (exit > 128) the log just stops, so it is not quoted
+            quote = last_line and not last_line.startswith("{") and terminated.get("exitCode", 0) < 128
+            return f"{reason}: {last_line.strip()[:300]}" if quote else reason
     return status.get("reason") or status.get("message") or "pod failed"

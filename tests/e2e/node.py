@@ -95,19 +95,26 @@ class Container:
         self.state: dict = {"waiting": {"reason": "PodInitializing"}}
         self.last_state: dict = {}
         self.started = self.ready = False
-        self.started_at = 0.0
+        self.next_start = 0.0  # when a container waiting in back-off starts again (monotonic)
+        self.startup_deadline = float("inf")
+        self.log_offset = 0  # where this start's output begins in the container's log file
 
     @property
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def main_pid(self) -> int | None:
-        """The host PID of the container's command (bwrap's child, PID 1 in the sandbox)."""
-        if not self.running:
-            return None
-        with contextlib.suppress(OSError):
-            children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
-            return int(children[0]) if children else None
+    def main_pid(self, wait_s: float = 2.0) -> int | None:
+        """The host PID of the container's command (bwrap's child, PID 1 in the sandbox); waits up to
+        WAIT_S for bwrap to start it. None when the container is not running."""
+        deadline = time.monotonic() + wait_s
+        while self.running:
+            with contextlib.suppress(OSError, ValueError):
+                children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
+                if children:
+                    return int(children[0])
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.02)
         return None
 
     def status(self) -> dict:
@@ -124,7 +131,7 @@ class PodRunner(threading.Thread):
     def __init__(self, node: ProcessNode, pod: dict, ip: str) -> None:
         meta = pod["metadata"]
         super().__init__(name=f"pod-{meta['namespace']}-{meta['name']}", daemon=True)
-        self.node, self.pod, self.ip = node, pod, ip
+        self.node, self.pod, self.ip = node, pod, ip  # the pod as claimed (its spec does not change)
         self.namespace, self.pod_name = meta["namespace"], meta["name"]
         self.dir = node.root / "pods" / f"{self.namespace}_{self.pod_name}_{meta['uid'][:8]}"
         spec = pod["spec"]
@@ -150,12 +157,23 @@ class PodRunner(threading.Thread):
             log.exception("pod %s/%s", self.namespace, self.pod_name)
             self.phase, self.reason, self.message = "Failed", "NodeError", f"{type(exc).__name__}: {exc}"
         finally:
-            self._terminate_all(self.grace_seconds if self.delete_requested.is_set() else 10.0)
-            with contextlib.suppress(KubeApiError):
+            try:
+                self._terminate_all(self.grace_seconds)
                 self._report()
-            if self.delete_requested.is_set():
+                if self.delete_requested.is_set():
+                    self._remove_pod()
+            finally:
+                self.node.release(self)
+
+    def _remove_pod(self) -> None:
+        """The kubelet's last word on a deleted pod: remove it from the API (retried on a transient error)."""
+        for attempt in range(5):
+            try:
                 self.node.kube.request("DELETE", self._path(), {"gracePeriodSeconds": 0})
-            self.node.release(self)
+                return
+            except OSError as exc:
+                log.warning("removing pod %s/%s: %s", self.namespace, self.pod_name, exc)
+                time.sleep(0.5 * (attempt + 1))
 
     def _run(self) -> None:
         self._report()
@@ -171,20 +189,35 @@ class PodRunner(threading.Thread):
                 self._start(container)
         self.phase = "Running"
         self._report()
+        mains = [c for c in self.containers if c.kind == "main"]
         while not self.delete_requested.is_set():
-            mains = [c for c in self.containers if c.kind == "main"]
-            for container in self.containers:
-                if container.proc is not None and not container.running and "running" in container.state:
-                    self._exited(container)
-                    if self._restarts(container):
-                        self._start(container)
-            self._probe_readiness()
-            if all(not c.running and "terminated" in c.state for c in mains):
+            self._tend()
+            if all("terminated" in c.state for c in mains):
                 failed = [c for c in mains if c.state["terminated"]["exitCode"] != 0]
                 self.phase = "Failed" if failed else "Succeeded"
                 return
             self._report()
             time.sleep(0.2)
+
+    def _tend(self) -> None:
+        """One kubelet pass over the started sidecars and main containers: record exits, restart what
+        the restart policy restarts (after a back-off: 1 s, doubling, at most 10 s; the kubelet's is
+        10 s to 5 min), kill a container that misses its startup deadline, probe."""
+        now = time.monotonic()
+        for container in self.containers:
+            if container.kind == "init" or container.proc is None:
+                continue
+            if not container.running and "running" in container.state:
+                self._exited(container)
+                if self._restarts(container):
+                    container.next_start = now + min(10.0, 2.0 ** container.restarts)
+                    message = f"back-off restarting the failed container {container.name}"
+                    container.state = {"waiting": {"reason": "CrashLoopBackOff", "message": message}}
+            elif "waiting" in container.state and now >= container.next_start:
+                self._start(container)
+            elif container.running and not container.started and now > container.startup_deadline:
+                self._signal(container, signal.SIGKILL)  # the startup probe never passed: killed, then restarted
+        self._probe_readiness()
 
     def _restarts(self, container: Container) -> bool:
         if container.kind == "sidecar":
@@ -211,33 +244,17 @@ class PodRunner(threading.Thread):
             time.sleep(min(10, 2**container.restarts))
 
     def _start_sidecar(self, container: Container) -> bool:
-        """A native sidecar: start it; the next container waits until its startup probe passes."""
+        """A native sidecar: start it; the next container waits until its startup probe passes (the
+        sidecars started before it are tended meanwhile: restarted when they exit)."""
         self._start(container)
-        probe = container.spec.get("startupProbe")
-        deadline = self._probe_deadline(probe)
         while not self.delete_requested.is_set():
-            if not container.running:
-                self._exited(container)
-                time.sleep(1.0)
-                self._start(container)
-                deadline = self._probe_deadline(probe)
-            elif probe is None or self._probe(container, probe):
-                container.started = True
+            self._tend()
+            if container.running and container.started:
                 self._report()
                 return True
-            elif time.monotonic() > deadline:  # the kubelet kills a container that never starts
-                self._signal(container, signal.SIGKILL)
-                container.proc.wait()
             self._report()
-            time.sleep(self.node.probe_interval)
+            time.sleep(0.2)
         return False
-
-    @staticmethod
-    def _probe_deadline(probe: dict | None) -> float:
-        if probe is None:
-            return float("inf")
-        budget = probe.get("initialDelaySeconds", 0) + probe.get("periodSeconds", 10) * probe.get("failureThreshold", 3)
-        return time.monotonic() + budget
 
     def _probe_readiness(self) -> None:
         if time.monotonic() < self._next_probe:
@@ -277,11 +294,15 @@ class PodRunner(threading.Thread):
         with open(log_path, "ab") as out:
             out.write(f"--- {_now()} start #{container.restarts}: {' '.join(command)}\n".encode())
             out.flush()
-            container.proc = subprocess.Popen(self._sandbox(container, env) + ["--", *command], stdout=out,
+            container.log_offset = out.tell()
+            # the environment goes through bwrap's own (not its argv, which any user could read in ps)
+            container.proc = subprocess.Popen(self._sandbox(container) + ["--", *command], env=env, stdout=out,
                                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)  # fmt: skip
-        container.started_at = time.monotonic()
         container.state = {"running": {"startedAt": _now()}}
-        container.started = container.kind == "main" and container.spec.get("startupProbe") is None
+        probe = container.spec.get("startupProbe")
+        container.started = container.kind != "init" and probe is None
+        container.startup_deadline = float("inf") if probe is None else time.monotonic() + (
+            probe.get("initialDelaySeconds", 0) + probe.get("periodSeconds", 10) * probe.get("failureThreshold", 3))  # fmt: skip
 
     def _exited(self, container: Container) -> None:
         code = container.proc.wait()
@@ -296,6 +317,7 @@ class PodRunner(threading.Thread):
         container.ready = container.started = False
 
     def _signal(self, container: Container, sig: int) -> None:
+        """SIG to the container's command; SIGKILL to bwrap too if the command never started."""
         pid = container.main_pid()
         if pid is not None:
             with contextlib.suppress(ProcessLookupError):
@@ -349,12 +371,16 @@ class PodRunner(threading.Thread):
         raise PodError("Unsupported", f"env valueFrom {sorted(source)} is not emulated")
 
     def _data(self, resource: str, name: str) -> dict[str, str]:
+        return {k: v.decode(errors="replace") for k, v in self._raw_data(resource, name).items()}
+
+    def _raw_data(self, resource: str, name: str) -> dict[str, bytes]:
+        """A Secret's or ConfigMap's data (a missing one fails the pod; the kubelet would keep it waiting)."""
         obj = self.node.kube.get(self.node.kube.path(f"v1/{resource}", self.namespace, name))
         if obj is None:
             raise PodError("CreateContainerConfigError", f'{resource[:-1]} "{name}" not found')
         if resource == "secrets":
-            return {k: base64.b64decode(v).decode() for k, v in (obj.get("data") or {}).items()}
-        return dict(obj.get("data") or {})
+            return {k: base64.b64decode(v) for k, v in (obj.get("data") or {}).items()}
+        return {k: v.encode() for k, v in (obj.get("data") or {}).items()}
 
     def _prepare_volumes(self) -> None:
         for volume in self.pod["spec"].get("volumes", []):
@@ -373,16 +399,16 @@ class PodRunner(threading.Thread):
             elif "configMap" in volume or "secret" in volume:
                 kind = "configMap" if "configMap" in volume else "secret"
                 ref = volume[kind].get("name") or volume[kind].get("secretName")
-                data = self._data("configmaps" if kind == "configMap" else "secrets", ref)
+                data = self._raw_data("configmaps" if kind == "configMap" else "secrets", ref)
                 path = self.dir / "volumes" / name
                 path.mkdir(parents=True, exist_ok=True)
                 for key, value in data.items():
-                    (path / key).write_text(value)
+                    (path / key).write_bytes(value)
                 self.volumes[name] = (path, True)
             else:
                 raise PodError("Unsupported", f"volume {name}: {sorted(set(volume) - {'name'})} is not emulated by the test node")
 
-    def _sandbox(self, container: Container, env: dict[str, str]) -> list[str]:
+    def _sandbox(self, container: Container) -> list[str]:
         security = {**(self.pod["spec"].get("securityContext") or {}), **(container.spec.get("securityContext") or {})}
         uid, gid = int(security.get("runAsUser", 0)), int(security.get("runAsGroup", security.get("runAsUser", 0)))
         binds: list[tuple[str, str, bool]] = []  # (host source, sandbox path, read-only)
@@ -410,9 +436,7 @@ class PodRunner(threading.Thread):
             args += ["--ro-bind" if read_only else "--bind", source, target]
         if security.get("readOnlyRootFilesystem"):
             args += ["--remount-ro", "/"]
-        args += ["--chdir", container.spec.get("workingDir", "/"), "--clearenv"]
-        for key, value in env.items():
-            args += ["--setenv", key, value]
+        args += ["--chdir", container.spec.get("workingDir", "/")]
         return args
 
     def _termination_file(self, container: Container) -> Path:
@@ -426,8 +450,10 @@ class PodRunner(threading.Thread):
         written = self._termination_file(container).read_bytes()[:4096].decode(errors="replace")
         if written or exit_code == 0 or container.spec.get("terminationMessagePolicy") != "FallbackToLogsOnError":
             return written
-        output = self.node.log(self.namespace, self.pod_name, container.name).rsplit("\n--- ", 1)[-1]
-        return "\n".join(output.splitlines()[1:][-80:])[-2048:]
+        with open(self.node.log_path(self.namespace, self.pod_name, container.name), "rb") as f:
+            f.seek(container.log_offset)
+            output = f.read().decode(errors="replace")
+        return "\n".join(output.splitlines()[-80:])[-2048:]
 
     def _identity_files(self, uid: int, gid: int) -> list[tuple[str, str, bool]]:
         """/etc/passwd and /etc/group naming the pod's user, as a runtime image does for its user."""
@@ -463,9 +489,10 @@ class PodRunner(threading.Thread):
         if status != self._reported:
             try:
                 self.node.kube.patch_status(self._path(), status)
-            except KubeApiError as exc:
-                if exc.status != 404:
-                    raise
+            except (KubeApiError, OSError) as exc:  # gone (404), or a transient error: retried on the next pass
+                if getattr(exc, "status", None) != 404:
+                    log.warning("status of pod %s/%s not written: %s", self.namespace, self.pod_name, exc)
+                    return
             self._reported = status
 
 
@@ -511,7 +538,13 @@ class ProcessNode:
         self._thread = threading.Thread(target=self._watch, name="test-node", daemon=True)
 
     def start(self) -> ProcessNode:
-        subprocess.run([BWRAP, "--version"], check=True, capture_output=True)  # `make test` installs bubblewrap
+        try:  # bwrap with a user namespace: what every container needs
+            probe = subprocess.run([BWRAP, "--unshare-user", "--ro-bind", "/", "/", "true"], capture_output=True, text=True)
+        except FileNotFoundError:
+            raise RuntimeError("bubblewrap (bwrap) is required for the end-to-end tests: `make test` installs it "
+                               "(apt-get install bubblewrap)") from None  # fmt: skip
+        if probe.returncode != 0:
+            raise RuntimeError(f"bwrap cannot create a user namespace here: {probe.stderr.strip()}")
         self._thread.start()
         return self
 
@@ -545,6 +578,14 @@ class ProcessNode:
         if not found:
             raise KeyError(f"pod {namespace}/{pod} is not running on this node")
         return found[-1]
+
+    def environ(self, namespace: str, pod: str, container: str) -> dict[str, str]:
+        """The environment the container's command runs with (from /proc, as `cat /proc/PID/environ` on the node)."""
+        pid = next(c for c in self.runner(namespace, pod).containers if c.name == container).main_pid()
+        if pid is None:
+            raise RuntimeError(f"{namespace}/{pod}/{container} is not running")
+        raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        return dict(item.decode(errors="replace").split("=", 1) for item in raw if b"=" in item)
 
     def kill(self, namespace: str, pod: str, container: str, sig: int = signal.SIGKILL) -> None:
         """Send SIG to the container's command (its PID 1), as `kill` on the node would."""
@@ -581,8 +622,8 @@ class ProcessNode:
             spec, phase = pod.get("spec") or {}, (pod.get("status") or {}).get("phase")
             if uid in self.runners or spec.get("nodeName") or phase in ("Succeeded", "Failed"):
                 continue
-            if pod["metadata"].get("deletionTimestamp"):
-                continue
+            if pod["metadata"].get("deletionTimestamp") or not self._free_ips:
+                continue  # being deleted, or no pod IP left (it waits, Pending)
             with contextlib.suppress(KubeApiError):  # gone meanwhile: nothing to run
                 claimed = self.kube.patch(self.kube.path("v1/pods", pod["metadata"]["namespace"], pod["metadata"]["name"]),
                                           {"spec": {"nodeName": self.name}})  # fmt: skip

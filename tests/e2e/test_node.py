@@ -24,6 +24,7 @@ PROBE_SCRIPT = textwrap.dedent('''
             return exc.strerror
     report = {"uid": os.getuid(), "pid": os.getpid(), "ip": os.environ["POD_IP"], "url": os.environ["SELF_URL"],
               "token": os.environ["TOKEN"], "config": open("/etc/app/settings.txt").read(),
+              "secret_file": open("/etc/creds/token", "rb").read().hex(), "secret_write": attempt("/etc/creds/token"),
               "scratch": attempt("/scratch/file"), "shared_ro": attempt("/shared/file"),
               "root": attempt("/new-file"), "etc": attempt("/etc/orbit-test"), "tmp": attempt("/tmp/file")}
     open(f"/out/{os.environ['POD_NAME']}.json", "w").write(json.dumps(report))
@@ -58,13 +59,15 @@ def _pod(name: str, tmp: Path, **spec) -> dict:
                                  {"name": "shared", "mountPath": "/shared", "readOnly": True},
                                  {"name": "out", "mountPath": "/out"},
                                  {"name": "scratch", "mountPath": "/scratch"},
-                                 {"name": "settings", "mountPath": "/etc/app"}],
+                                 {"name": "settings", "mountPath": "/etc/app"},
+                                 {"name": "creds", "mountPath": "/etc/creds"}],
             }],
             "volumes": [{"name": "app", "hostPath": {"path": str(tmp / "app"), "type": "Directory"}},
                         {"name": "shared", "hostPath": {"path": str(tmp / "shared"), "type": "DirectoryOrCreate"}},
                         {"name": "out", "hostPath": {"path": str(tmp / "out"), "type": "DirectoryOrCreate"}},
                         {"name": "scratch", "emptyDir": {}},
-                        {"name": "settings", "configMap": {"name": "settings"}}],
+                        {"name": "settings", "configMap": {"name": "settings"}},
+                        {"name": "creds", "secret": {"secretName": "creds"}}],
             **spec,
         },
     }  # fmt: skip
@@ -78,7 +81,8 @@ def test_two_pods_get_their_own_ip_mounts_identity_and_a_graceful_stop(kube: Kub
     (tmp_path / "app").mkdir()
     (tmp_path / "app" / "probe.py").write_text(PROBE_SCRIPT)
     kube.create(kube.path("v1/configmaps", "default"), {"metadata": {"name": "settings"}, "data": {"settings.txt": "lr=0.1"}})
-    kube.create(kube.path("v1/secrets", "default"), {"metadata": {"name": "creds"}, "data": {"token": base64.b64encode(b"s3cret").decode()}})
+    kube.create(kube.path("v1/secrets", "default"), {"metadata": {"name": "creds"}, "data": {"token": base64.b64encode(b"s3cret").decode(),
+                                                                                         "raw": base64.b64encode(b"\xff\x00").decode()}})  # fmt: skip
     for name in ("one", "two"):
         kube.create(kube.path("v1/pods", "default"), _pod(name, tmp_path))
     statuses = {name: kube.wait_for(lambda n=name: (s := _status(kube, n)).get("conditions") and
@@ -92,7 +96,9 @@ def test_two_pods_get_their_own_ip_mounts_identity_and_a_graceful_stop(kube: Kub
         report = json.loads((tmp_path / "out" / f"{name}.json").read_text())
         assert report["uid"] == 1000 and report["pid"] == 1  # the pod's user; PID 1 in its own PID namespace
         assert report["ip"] == ip and report["url"] == f"http://{ip}:8080/$literal"  # $(VAR) expansion, $$ escape
-        assert report["token"] == "s3cret" and report["config"] == "lr=0.1"
+        assert report["token"] == "s3cret" and report["config"] == "lr=0.1"  # secretKeyRef, a ConfigMap file
+        assert report["secret_file"] == b"s3cret".hex() and report["secret_write"] == "Read-only file system"  # a Secret file
+        assert b"s3cret" not in Path(f"/proc/{node.runner('default', name).containers[0].proc.pid}/cmdline").read_bytes()
         assert report["scratch"] == "ok"  # an emptyDir is writable
         assert report["shared_ro"] == "Read-only file system"  # readOnly: true is a read-only bind
         assert report["root"] == report["etc"] == report["tmp"] == "Read-only file system"  # readOnlyRootFilesystem
@@ -114,7 +120,7 @@ def test_restart_policies_exit_codes_and_sidecars(kube: KubeEmulator, node: Proc
 
     sidecar = {"name": "side", "image": "t", "restartPolicy": "Always", "command": ["sh", "-c", "sleep 1; exit 7"]}
     prep = {"name": "prep", "image": "t", "command": ["sh", "-c", "exit 0"]}
-    kube.create(kube.path("v1/pods", "default"), pod("ok", "sleep 4; echo all-done > /dev/termination-log", [prep, sidecar]))
+    kube.create(kube.path("v1/pods", "default"), pod("ok", "sleep 7; echo all-done > /dev/termination-log", [prep, sidecar]))
     kube.create(kube.path("v1/pods", "default"), pod("fails", "echo working; echo it broke >&2; exit 3"))
     kube.create(kube.path("v1/pods", "default"), pod("bad-init", "exit 0", [{**prep, "command": ["sh", "-c", "exit 2"]}]))
     kube.create(kube.path("v1/pods", "default"), pod("killed", "sleep 60"))
@@ -127,8 +133,9 @@ def test_restart_policies_exit_codes_and_sidecars(kube: KubeEmulator, node: Proc
     assert done["ok"]["phase"] == "Succeeded"
     init = {c["name"]: c for c in done["ok"]["initContainerStatuses"]}
     assert init["prep"]["state"]["terminated"]["exitCode"] == 0
-    assert init["side"]["restartCount"] >= 2  # restarted each time it exited, while the main container ran
-    assert init["side"]["lastState"]["terminated"]["exitCode"] in (7, 143)  # its own exit, or stopped after main
+    assert init["side"]["restartCount"] >= 2  # restarted (after a back-off) each time it exited, while the main container ran
+    # its own exit, or killed after the grace period (sh as PID 1 ignores SIGTERM) when the main container ended
+    assert init["side"]["lastState"]["terminated"]["exitCode"] in (7, 137)
     assert done["fails"]["phase"] == "Failed"
     assert done["ok"]["containerStatuses"][0]["state"]["terminated"]["message"] == "all-done\n"  # terminationMessagePath
     failed = done["fails"]["containerStatuses"][0]["state"]["terminated"]

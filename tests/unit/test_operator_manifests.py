@@ -18,6 +18,7 @@ from orbit_operator.pod import BASE_MOUNT, build_configmap, build_pod
 from orbit_operator.settings import OperatorSettings
 from orbit_operator.validation import ManifestError, read_documents, validate_job
 from orbit_runtime.cli import app
+from orbit_runtime.role_commands import http_url
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD_FILE = ROOT / "charts" / "orbit" / "crds" / "rltrainingjob.yaml"
@@ -152,8 +153,8 @@ def test_pod_layout_mounts_security_and_resources():
     for container in (rollout, reference, learner):  # every role binds to the pod IP, and finds the others there
         assert container["command"][3:5] == ["--host", "$(ORBIT_POD_IP)"]
         assert container["env"][0] == {"name": "ORBIT_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
-        urls = {e["name"]: e["value"] for e in container["env"] if e["name"].endswith("_URL")}
-        assert urls == {"ORBIT_ROLLOUT_URL": "http://$(ORBIT_POD_IP):8000", "ORBIT_REFERENCE_URL": "http://$(ORBIT_POD_IP):8001"}
+        assert not [e for e in container["env"] if e["name"].endswith("_URL")]  # the learner derives them from --host
+    assert http_url("10.1.2.3", 8000) == "http://10.1.2.3:8000" and http_url("fd00::5", 8001) == "http://[fd00::5]:8001"
     shared = build_pod("cpu", "ml", validate_job(_example("rljob-cpu.yaml")).spec, settings)
     assert [c["name"] for c in shared["spec"]["initContainers"]] == ["prepare-base", "rollout"]  # shared reference: no container
     host = {v["name"]: v for v in body["volumes"]}["base-cache"]["hostPath"]
