@@ -24,7 +24,7 @@ PIP_FILTER := sed '/is ignored: it is neither a file nor a directory/d'
 # root needs no sudo (CI); elsewhere apt-get runs through sudo
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: help install lock test-tools test test-fast demo bench clean
+.PHONY: help install lock images test-tools test test-fast demo bench clean
 
 help:
 	@echo "make test   - set up .venv and run the test suite (real vLLM CPU server included)"
@@ -90,6 +90,15 @@ bench: install
 	$(PY) benchmarks/memory.py --json bench-out/memory.json
 	$(PY) -m pip install -q '.[bench]' 2>&1 | $(PIP_FILTER)
 	$(PY) benchmarks/vs_trl.py --json bench-out/vs_trl.json
+
+# The operator and runtime images (needs docker; not part of `make test`). The version is
+# pyproject.toml's: the chart's default image references (appVersion) name the same one.
+VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+REGISTRY ?= ghcr.io/orbit-rl
+images:
+	docker build --build-arg VERSION=$(VERSION) -t $(REGISTRY)/orbit-operator:$(VERSION) .
+	docker build --build-arg VERSION=$(VERSION) -f images/runtime/Dockerfile -t $(REGISTRY)/orbit-runtime:$(VERSION) .
+	docker build --build-arg VERSION=$(VERSION) -f images/runtime-cpu/Dockerfile -t $(REGISTRY)/orbit-runtime-cpu:$(VERSION) .
 
 clean:
 	rm -rf $(VENV) runs bench-out .pytest_cache

@@ -10,12 +10,25 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import PurePosixPath
 
 from orbit_runtime.errors import OrbitError
 
 DEFAULT_CACHE_ROOT = "/var/lib/orbit/bases"
-DEFAULT_IMAGE = "ghcr.io/orbit-rl/orbit-runtime:0.1.0"
+RUNTIME_REPOSITORY = "ghcr.io/orbit-rl/orbit-runtime"
+RUNTIME_USER = 10001  # the runtime images' user (images/runtime*/Dockerfile)
+
+
+def _version() -> str:
+    """Orbit's version (pyproject.toml, the one place that names it; the chart's appVersion equals it)."""
+    try:
+        return metadata.version("orbit")
+    except metadata.PackageNotFoundError:  # a source tree that was never installed
+        return "0.0.0"
+
+
+DEFAULT_IMAGE = f"{RUNTIME_REPOSITORY}:{_version()}"
 
 
 @dataclass(frozen=True)
@@ -24,7 +37,7 @@ class OperatorSettings:
     runtime_image: str = DEFAULT_IMAGE  # the roles' image unless a job overrides it per role
     namespaces: tuple[str, ...] = ()  # watched namespaces; empty: cluster-wide
     max_gpus_per_node: int = 8
-    run_as_user: int = 1000  # the runtime image's non-root user; the cache root must be writable by it
+    run_as_user: int = RUNTIME_USER  # the runtime image's non-root user; the cache root must be writable by it
     status_poll_seconds: float = 10.0  # how often each job is reconciled and its learner polled
     learner_status_port: int = 9400
     allow_image_override: bool = False  # may a job set resources.<role>.image? (its learner gets the job's Secrets)
@@ -61,7 +74,7 @@ class OperatorSettings:
             runtime_image=env.get("ORBIT_RUNTIME_IMAGE", DEFAULT_IMAGE),
             namespaces=tuple(n.strip() for n in env.get("ORBIT_NAMESPACES", "").split(",") if n.strip()),
             max_gpus_per_node=number("ORBIT_MAX_GPUS_PER_NODE", 8),
-            run_as_user=number("ORBIT_RUN_AS_USER", 1000),
+            run_as_user=number("ORBIT_RUN_AS_USER", RUNTIME_USER),
             status_poll_seconds=number("ORBIT_STATUS_POLL_SECONDS", 10.0, float),
             learner_status_port=number("ORBIT_LEARNER_STATUS_PORT", 9400),
             backoff_base_seconds=number("ORBIT_BACKOFF_BASE_SECONDS", 10.0, float),

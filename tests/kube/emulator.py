@@ -223,6 +223,8 @@ class EmulatorHandler(kmock.KubernetesEmulator):
         factory=lambda: collections.deque(maxlen=100_000), init=False
     )
     _columns: dict[kmock.resource, list[dict[str, Any]]] = attrs.field(factory=dict, init=False)
+    # every object request: (bearer token, verb, API group, resource, subresource or ""), for RBAC checks
+    calls: set[tuple[str, str, str, str, str]] = attrs.field(factory=set, init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -355,6 +357,7 @@ class EmulatorHandler(kmock.KubernetesEmulator):
         info = self.resources[res]
         namespace = request.namespace if info.namespaced else None
         action = request.action
+        self._record(request, res)
         if request.subresource is not None and request.subresource != "status":
             raise _error(405, "MethodNotAllowed", f"subresource {request.subresource!r} is not emulated")
         if request.subresource == "status" and "status" not in info.subresources:
@@ -392,6 +395,17 @@ class EmulatorHandler(kmock.KubernetesEmulator):
             else:
                 raise _error(405, "MethodNotAllowed", f"{action} is not emulated")
             return aiohttp.web.json_response(obj)
+
+    def _record(self, request: kmock.Request, res: kmock.resource) -> None:
+        """Note the RBAC verb this request needs, per client (its bearer token)."""
+        verbs = {kmock.action.WATCH: "watch", kmock.action.LIST: "list", kmock.action.FETCH: "get", kmock.action.CREATE: "create",
+                 kmock.action.UPDATE: "patch", kmock.action.DELETE: "delete"}  # fmt: skip
+        if request.method.value == "PUT":
+            verb = "update"
+        else:
+            verb = verbs.get(request.action, str(request.method.value).lower())
+        token = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+        self.calls.add((token, verb, res.group or "", res.plural or "", request.subresource or ""))
 
     async def _create(self, request: kmock.Request, res: kmock.resource, namespace: str | None) -> dict[str, Any]:
         if request.subresource is not None or not isinstance(request.data, Mapping):
@@ -799,8 +813,10 @@ class KubeEmulator:
 
     # -- client configuration --
 
-    def write_kubeconfig(self, path: str | os.PathLike[str], namespace: str = "default") -> Path:
-        """Write a kubeconfig (context ``emulator``, a dummy token) for kubectl, kopf and the kubernetes client."""
+    def write_kubeconfig(self, path: str | os.PathLike[str], namespace: str = "default", token: str = "emulator",
+                         default: bool = True) -> Path:  # fmt: skip
+        """Write a kubeconfig (context ``emulator``, bearer TOKEN: calls are recorded per token, see
+        :meth:`api_calls`) for kubectl, kopf and the kubernetes client; DEFAULT: the one :meth:`env` uses."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         config = {
@@ -809,12 +825,18 @@ class KubeEmulator:
             "preferences": {},
             "current-context": "emulator",
             "clusters": [{"name": "emulator", "cluster": {"server": self.url}}],
-            "users": [{"name": "emulator", "user": {"token": "emulator"}}],
+            "users": [{"name": "emulator", "user": {"token": token}}],
             "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "emulator", "namespace": namespace}}],
         }
         path.write_text(yaml.safe_dump(config, sort_keys=False))
-        self.kubeconfig = path
+        if default:
+            self.kubeconfig = path
         return path
+
+    def api_calls(self, token: str) -> set[tuple[str, str, str, str]]:
+        """(verb, group, resource, subresource) of every object request made with TOKEN so far."""
+        assert self.handler is not None
+        return {call[1:] for call in list(self.handler.calls) if call[0] == token}
 
     def env(self, kubeconfig: str | os.PathLike[str] | None = None) -> dict[str, str]:
         """``os.environ`` plus what a subprocess needs to reach the emulator (KUBECONFIG, no proxy, a cache dir)."""

@@ -25,13 +25,16 @@ from tests.unit.test_operator_manifests import BAD_JOBS
 
 NS = "default"
 JOB = "quickstart-cpu"
+OPERATOR_TOKEN = "orbit-operator"  # the operator's kubeconfig token: its API calls are recorded apart from the tests'
+OPERATOR_API_CALLS: set[tuple[str, str, str, str]] = set()  # (verb, group, resource, subresource) of every operator run
 JOB_PATH = KubeEmulator.path(RLJOBS, NS, JOB)
 
 
 @contextlib.contextmanager
 def operator_process(kube: KubeEmulator, log_path: Path, status_port: int, extra_env: dict[str, str] | None = None):
     """`python -m orbit_operator` (the operator image's entrypoint), with short test intervals."""
-    env = {**kube.env(), "PYTHONUNBUFFERED": "1", "ORBIT_STATUS_POLL_SECONDS": "0.5", "ORBIT_BACKOFF_BASE_SECONDS": "1",
+    kubeconfig = kube.write_kubeconfig(log_path.parent / "operator-kubeconfig", token=OPERATOR_TOKEN, default=False)
+    env = {**kube.env(kubeconfig), "PYTHONUNBUFFERED": "1", "ORBIT_STATUS_POLL_SECONDS": "0.5", "ORBIT_BACKOFF_BASE_SECONDS": "1",
            "ORBIT_LEARNER_STATUS_PORT": str(status_port), "ORBIT_LIVENESS_PORT": str(free_port("127.0.0.1")),
            "ORBIT_METRICS_PORT": str(free_port("127.0.0.1")), "ORBIT_BIND_ADDRESS": "127.0.0.1",
            "ORBIT_CACHE_ROOT": "/var/lib/orbit-test/bases", **(extra_env or {})}  # fmt: skip
@@ -50,6 +53,7 @@ def operator_process(kube: KubeEmulator, log_path: Path, status_port: int, extra
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
+            OPERATOR_API_CALLS.update(kube.api_calls(OPERATOR_TOKEN))
 
 
 def status(kube: KubeEmulator, path: str = JOB_PATH) -> dict:
