@@ -144,6 +144,9 @@ def configure(settings: kopf.OperatorSettings, **_) -> None:
     settings.posting.level = logging.INFO
     settings.persistence.finalizer = f"{GROUP}/cleanup"
     settings.watching.server_timeout = 60
+    # watching listed namespaces: no cluster-wide scanning of namespaces and CRDs, so the operator needs
+    # only a Role in each of them (the CRD must exist when it starts; it is found once, through discovery)
+    settings.scanning.disabled = bool(SETTINGS.namespaces)
 
 
 @kopf.on.create(GROUP, VERSION, PLURAL)

@@ -282,5 +282,6 @@ def build_pod(name: str, namespace: str, spec: RLTrainingJobSpec, settings: Oper
 
 def owner_reference(name: str, uid: str) -> dict:
     """What makes the job own (and garbage-collect) a pod or ConfigMap."""
-    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "name": name, "uid": uid, "controller": True,
-            "blockOwnerDeletion": True}  # fmt: skip
+    # no blockOwnerDeletion: it would need `update` on rltrainingjobs/finalizers where the
+    # OwnerReferencesPermissionEnforcement admission plugin runs (OpenShift), for nothing the operator uses
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "name": name, "uid": uid, "controller": True}

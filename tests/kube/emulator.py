@@ -223,8 +223,9 @@ class EmulatorHandler(kmock.KubernetesEmulator):
         factory=lambda: collections.deque(maxlen=100_000), init=False
     )
     _columns: dict[kmock.resource, list[dict[str, Any]]] = attrs.field(factory=dict, init=False)
-    # every object request: (bearer token, verb, API group, resource, subresource or ""), for RBAC checks
-    calls: set[tuple[str, str, str, str, str]] = attrs.field(factory=set, init=False)
+    # every object request: (bearer token, verb, API group, resource, subresource or "", "namespaced" or
+    # "cluster": whether the URL named a namespace), for RBAC checks
+    calls: set[tuple[str, str, str, str, str, str]] = attrs.field(factory=set, init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -352,12 +353,12 @@ class EmulatorHandler(kmock.KubernetesEmulator):
         if res is None or res.plural is None:  # discovery, /version, custom paths: kmock's DSL & fallbacks
             return await _kmock_apps.RawHandler._handle(self, request)
         res = kmock.resource(res.group, res.version, res.plural)
+        self._record(request, res)
         if res not in self.resources:
             raise _error(404, "NotFound", "the server could not find the requested resource")
         info = self.resources[res]
         namespace = request.namespace if info.namespaced else None
         action = request.action
-        self._record(request, res)
         if request.subresource is not None and request.subresource != "status":
             raise _error(405, "MethodNotAllowed", f"subresource {request.subresource!r} is not emulated")
         if request.subresource == "status" and "status" not in info.subresources:
@@ -402,10 +403,13 @@ class EmulatorHandler(kmock.KubernetesEmulator):
                  kmock.action.UPDATE: "patch", kmock.action.DELETE: "delete"}  # fmt: skip
         if request.method.value == "PUT":
             verb = "update"
+        elif request.method.value == "DELETE" and request.name is None:
+            verb = "deletecollection"
         else:
             verb = verbs.get(request.action, str(request.method.value).lower())
         token = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
-        self.calls.add((token, verb, res.group or "", res.plural or "", request.subresource or ""))
+        scope = "namespaced" if request.namespace else "cluster"
+        self.calls.add((token, verb, res.group or "", res.plural or "", request.subresource or "", scope))
 
     async def _create(self, request: kmock.Request, res: kmock.resource, namespace: str | None) -> dict[str, Any]:
         if request.subresource is not None or not isinstance(request.data, Mapping):
@@ -833,8 +837,8 @@ class KubeEmulator:
             self.kubeconfig = path
         return path
 
-    def api_calls(self, token: str) -> set[tuple[str, str, str, str]]:
-        """(verb, group, resource, subresource) of every object request made with TOKEN so far."""
+    def api_calls(self, token: str) -> set[tuple[str, str, str, str, str]]:
+        """(verb, group, resource, subresource, scope) of every object request made with TOKEN so far."""
         assert self.handler is not None
         return {call[1:] for call in list(self.handler.calls) if call[0] == token}
 

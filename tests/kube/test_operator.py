@@ -26,7 +26,8 @@ from tests.unit.test_operator_manifests import BAD_JOBS
 NS = "default"
 JOB = "quickstart-cpu"
 OPERATOR_TOKEN = "orbit-operator"  # the operator's kubeconfig token: its API calls are recorded apart from the tests'
-OPERATOR_API_CALLS: set[tuple[str, str, str, str]] = set()  # (verb, group, resource, subresource) of every operator run
+# (verb, group, resource, subresource, scope) of every operator run, by mode: "cluster-wide" or "namespaced"
+OPERATOR_API_CALLS: dict[str, set[tuple[str, str, str, str, str]]] = {"cluster-wide": set(), "namespaced": set()}
 JOB_PATH = KubeEmulator.path(RLJOBS, NS, JOB)
 
 
@@ -53,7 +54,8 @@ def operator_process(kube: KubeEmulator, log_path: Path, status_port: int, extra
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
-            OPERATOR_API_CALLS.update(kube.api_calls(OPERATOR_TOKEN))
+            mode = "namespaced" if env.get("ORBIT_NAMESPACES") else "cluster-wide"
+            OPERATOR_API_CALLS[mode].update(kube.api_calls(OPERATOR_TOKEN))
 
 
 def status(kube: KubeEmulator, path: str = JOB_PATH) -> dict:
@@ -204,3 +206,31 @@ def test_bad_jobs_fail_invalid_naming_the_field_while_a_good_job_proceeds(kube: 
         result = subprocess.run([sys.executable, "-m", "orbit_runtime.cli", "validate", str(path)], capture_output=True, text=True,
                                 cwd=REPO_ROOT, env={**os.environ})  # fmt: skip
         assert result.returncode == 1 and result.stderr.count("): invalid") == len(expected)
+
+
+def test_an_operator_watching_listed_namespaces_runs_only_their_jobs(kube: KubeEmulator, tmp_path: Path) -> None:
+    """ORBIT_NAMESPACES (the chart's watchNamespaces): jobs elsewhere are not touched; the whole
+    lifecycle works with namespace-scoped calls only (tests/kube/test_rbac.py checks them against
+    the chart's Roles)."""
+    kube.create(KubeEmulator.path("v1/namespaces"), {"metadata": {"name": "other"}})
+    kube.kubectl("apply", "--validate=false", "-n", "other", "-f", "examples/rljob-cpu.yaml")
+    with operator_process(kube, tmp_path / "operator.log", free_port("127.0.0.1"), extra_env={"ORBIT_NAMESPACES": NS}):
+        kube.kubectl("apply", "--validate=false", "-f", "examples/rljob-cpu.yaml")
+        wait(kube, lambda: pods(kube).get(f"{JOB}-0"), "the first pod")
+        kube.set_pod_status(NS, f"{JOB}-0", "Running", pod_ip="127.0.0.9")
+        wait(kube, lambda: status(kube).get("phase") == "Running", "Running")
+        kube.kubectl("patch", "rljob", JOB, "--type=merge", "-p", '{"spec":{"suspend":true}}')
+        wait(kube, lambda: status(kube).get("phase") == "Suspended" and not pods(kube), "suspended, pod deleted")
+        # resumed with a changed spec: the ConfigMap is rewritten (patched) and a new pod created from it
+        kube.kubectl("patch", "rljob", JOB, "--type=merge", "-p", '{"spec":{"suspend":false,"rollout":{"max_tokens":16}}}')
+        resumed = wait(kube, lambda: next(iter(pods(kube).values()), None), "a new pod")
+        config = kube.get(KubeEmulator.path("v1/configmaps", NS, f"{JOB}-config"))
+        assert yaml.safe_load(config["data"]["job.yaml"])["rollout"]["max_tokens"] == 16
+        kube.set_pod_status(NS, resumed["metadata"]["name"], "Succeeded")
+        wait(kube, lambda: status(kube).get("phase") == "Succeeded", "Succeeded")
+        kube.kubectl("patch", "rljob", JOB, "--type=merge", "-p", '{"spec":{"ttlSecondsAfterFinished":1}}')
+        wait(kube, lambda: kube.get(JOB_PATH) is None, "deleted after its TTL")
+        wait(kube, lambda: kube.get(KubeEmulator.path("v1/configmaps", NS, f"{JOB}-config")) is None, "its ConfigMap removed")
+        other = kube.get(KubeEmulator.path(RLJOBS, "other", JOB))
+        assert "status" not in other and not kube.list_pods("other")  # not watched: untouched
+    assert not [c for c in kube.api_calls(OPERATOR_TOKEN) if c[-1] == "cluster"]  # nothing cluster-wide (scanning off)

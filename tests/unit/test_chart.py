@@ -20,7 +20,8 @@ CHART = ROOT / "charts" / "orbit"
 K8S_VERSION = "1.32"
 APP_VERSION = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
 # Prometheus Operator resources: their CRDs are not part of Kubernetes' schemas, so
-# kubernetes-validate cannot check them; they are skipped by kind (and checked field by field below)
+# kubernetes-validate cannot check them; they are skipped by kind. Their fields are checked by
+# test_monitoring_objects_select_what_exists and tests/unit/test_chart_monitoring.py.
 MONITORING_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
 EVERYTHING_ON = {
     "watchNamespaces": ["team-a", "team-b"],
@@ -47,7 +48,7 @@ def by_kind(objects: list[dict], kind: str) -> list[dict]:
 def test_every_rendered_manifest_is_strictly_valid_kubernetes(values):
     objects = render(values)
     kinds = {o["kind"] for o in objects}
-    assert {"Deployment", "ServiceAccount", "Service", "ClusterRole", "ClusterRoleBinding", "ConfigMap"} <= kinds
+    assert {"Deployment", "ServiceAccount", "Service", "ConfigMap"} <= kinds
     for obj in objects:
         if obj["kind"] not in MONITORING_KINDS:
             kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
@@ -55,7 +56,9 @@ def test_every_rendered_manifest_is_strictly_valid_kubernetes(values):
         assert MONITORING_KINDS <= kinds
         roles = by_kind(objects, "Role")
         assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]  # a Role per watched namespace
-        assert [r["metadata"]["name"] for r in by_kind(objects, "ClusterRole")] == ["orbit-crd-watch"]  # nothing else cluster-wide
+        assert not by_kind(objects, "ClusterRole") and not by_kind(objects, "ClusterRoleBinding")  # nothing cluster-wide
+    else:
+        assert [r["metadata"]["name"] for r in by_kind(objects, "ClusterRole")] == ["orbit-operator"] and not by_kind(objects, "Role")
     for role in by_kind(objects, "ClusterRole") + by_kind(objects, "Role"):
         for rule in role["rules"]:
             assert "*" not in rule["verbs"] + rule["resources"] + rule["apiGroups"], rule
@@ -108,6 +111,7 @@ BAD_VALUES = {
     "image tag": ({"image": {"runtime": {"repository": "r", "tag": "has space"}}}, "/image/runtime/tag"),
     "flag type": ({"monitoring": {"podMonitor": {"enabled": "yes"}}}, "/monitoring/podMonitor/enabled"),
     "interval": ({"monitoring": {"podMonitor": {"interval": "often"}}}, "/monitoring/podMonitor/interval"),
+    "selector label": ({"operator": {"podLabels": {"app.kubernetes.io/component": "x"}}}, "app.kubernetes.io/component"),
 }
 
 
@@ -119,7 +123,15 @@ def test_values_schema_refuses_bad_values_naming_them(case):
     assert where in str(refused.value), str(refused.value)
 
 
+def test_lint_is_clean_with_everything_on_and_a_large_uid():
+    report = helm.lint(CHART, {**EVERYTHING_ON, "runtimeUser": 1000680000}, strict=True)
+    assert not report["errors"] and not [m for m in report["messages"] if m["severity"] >= 2], report
+    (deployment,) = by_kind(render({"runtimeUser": 1000680000}), "Deployment")  # an OpenShift-range UID, not 1.00068e+09
+    env = {e["name"]: e["value"] for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert OperatorSettings.from_env(env).run_as_user == 1000680000
+
+
 def test_notes_tell_the_next_commands():
     notes = helm.Chart.load(CHART).render(EVERYTHING_ON, name="orbit", namespace="orbit-system")["orbit/templates/NOTES.txt"]
-    assert "kubectl apply -f examples/rljob.yaml" in notes and "kubectl get rljob -w" in notes
+    assert "kubectl apply -n <namespace> -f examples/rljob.yaml" in notes and "kubectl get rljob -n <namespace> -w" in notes
     assert "team-a, team-b" in notes and "orbit-grafana-dashboard" in notes
