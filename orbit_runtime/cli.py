@@ -60,16 +60,19 @@ def quantize(
 def demo_model(
     out_dir: Annotated[Path, typer.Argument(help="Directory to write the tiny model and tokenizer to.")],
     seed: Annotated[int, typer.Option(help="Random seed of the weights.")] = 0,
+    arch: Annotated[
+        str, typer.Option(help="Architecture: qwen2 (dense), qwen3_moe, or deepseek_v3 (MLA + shared expert, small).")
+    ] = "qwen2",
     warmup_steps: Annotated[
         int, typer.Option(help="Supervised warm-up steps standing in for pretraining (0: random weights).")
     ] = 0,
     overwrite: Annotated[bool, typer.Option(help="Replace OUT_DIR if it is not empty.")] = False,
 ) -> None:
-    """Write a tiny Qwen2-architecture model with a local character-level tokenizer (no network)."""
+    """Write a tiny model (dense Qwen2 or an MoE) with a local character-level tokenizer (no network)."""
     from orbit_runtime.demo_model import write_demo_model
 
     try:
-        path = write_demo_model(out_dir, seed=seed, overwrite=overwrite)
+        path = write_demo_model(out_dir, seed=seed, arch=arch, overwrite=overwrite)
     except OrbitError as exc:
         _fail(exc)
     if warmup_steps:

@@ -1,6 +1,6 @@
-"""A tiny Qwen2-architecture model and character-level tokenizer, made locally (no network).
+"""Tiny models (Qwen2, Qwen3-MoE, DeepSeek-V3-style) with a character-level tokenizer, made locally.
 
-Used by the quickstart and the tests. The shapes respect vLLM's CPU backend limits
+Used by the quickstarts and the tests; no network. The shapes respect vLLM's CPU backend limits
 (head_dim >= 32, layer dims multiples of 32, divisible by the INT4 group size of 128) and
 the model's vocabulary equals the tokenizer's.
 """
@@ -34,6 +34,13 @@ class DemoModelShape:
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
     max_position_embeddings: int = 1024
+    # MoE architectures: routed experts per layer, experts per token, one expert's width
+    num_experts: int = 8
+    experts_per_token: int = 2
+    expert_intermediate_size: int = 128
+
+
+ARCHITECTURES = ("qwen2", "qwen3_moe", "deepseek_v3")
 
 
 def _byte_level_char(byte: int) -> str:
@@ -63,13 +70,16 @@ def write_demo_model(
     *,
     shape: DemoModelShape = DemoModelShape(),
     seed: int = 0,
+    arch: str = "qwen2",
     overwrite: bool = False,
 ) -> Path:
-    """Write a randomly initialised Qwen2 model (bf16 safetensors) plus its tokenizer to OUT_DIR."""
+    """Write a randomly initialised model of ARCH (bf16 safetensors) plus its tokenizer to OUT_DIR."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
+    if arch not in ARCHITECTURES:
+        raise OrbitError(f"--arch {arch!r}: unknown; choose one of {', '.join(ARCHITECTURES)}")
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise OrbitError(f"{out_dir}: directory exists and is not empty (pass --overwrite to replace it)")
@@ -92,7 +102,7 @@ def write_demo_model(
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(out_dir)
 
-    config = Qwen2Config(
+    common = dict(
         vocab_size=len(vocab),
         hidden_size=shape.hidden_size,
         intermediate_size=shape.intermediate_size,
@@ -106,15 +116,55 @@ def write_demo_model(
         pad_token_id=token_to_id["<|endoftext|>"],
         torch_dtype="bfloat16",
     )
+    config = _architecture_config(arch, shape, common)
     head_dim = config.hidden_size // config.num_attention_heads
     if head_dim < 32:
         raise OrbitError(f"demo model head_dim={head_dim}: vLLM's CPU attention needs head_dim >= 32")
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    if arch == "deepseek_v3":
+        # transformers starts the routing correction bias at zero; random values make the
+        # demo exercise the biased (group-limited) expert choice. It stays fp32, as in DeepSeek-V3.
+        for layer in model.model.layers:
+            if hasattr(layer.mlp, "gate"):
+                layer.mlp.gate.e_score_correction_bias = torch.randn(shape.num_experts) * 0.1
     model.generation_config.eos_token_id = config.eos_token_id
     model.save_pretrained(out_dir)
     _check_vocab_matches(out_dir, len(tokenizer))
     return out_dir
+
+
+def _architecture_config(arch: str, shape: DemoModelShape, common: dict):
+    """The transformers config of ARCH at SHAPE (COMMON: the fields every architecture shares)."""
+    from transformers import DeepseekV3Config, Qwen2Config, Qwen3MoeConfig
+
+    if arch == "qwen2":
+        return Qwen2Config(**common)
+    moe = dict(
+        moe_intermediate_size=shape.expert_intermediate_size,
+        num_experts_per_tok=shape.experts_per_token,
+        norm_topk_prob=True,
+    )
+    if arch == "qwen3_moe":
+        head_dim = shape.hidden_size // shape.num_attention_heads
+        return Qwen3MoeConfig(**common, **moe, num_experts=shape.num_experts, head_dim=head_dim)
+    # DeepSeek-V3 in small: MLA attention (low-rank q and kv), the first layer dense, one
+    # shared expert, sigmoid routing over 2 expert groups of which each token may use 1.
+    head_dim = shape.hidden_size // shape.num_attention_heads
+    return DeepseekV3Config(
+        **{**common, "num_key_value_heads": shape.num_attention_heads},
+        **moe,
+        n_routed_experts=shape.num_experts,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=2,
+        topk_group=1,
+        q_lora_rank=shape.hidden_size // 2,
+        kv_lora_rank=shape.hidden_size // 2,
+        qk_nope_head_dim=head_dim // 2,
+        qk_rope_head_dim=head_dim // 2,
+        v_head_dim=head_dim,
+    )
 
 
 def _check_vocab_matches(model_dir: Path, tokenizer_size: int) -> None:

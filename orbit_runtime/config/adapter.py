@@ -20,3 +20,10 @@ class AdapterSpec(BaseModel):
         min_length=1,
         description="Names of the linear modules that get an adapter (matched as PEFT does, by suffix).",
     )
+    routed_experts: bool = Field(
+        False,
+        description=(
+            "MoE models: also put LoRA on every routed expert's linears matching target_modules (saved per expert, "
+            "the layout vLLM's MoE LoRA loads). Off: only attention, shared experts and dense MLP layers are adapted."
+        ),
+    )

@@ -29,12 +29,13 @@ SUPPORTED_ARCHITECTURES = frozenset(
         "Qwen2MoeForCausalLM",
         "Qwen3MoeForCausalLM",
         "MixtralForCausalLM",
+        "DeepseekV3ForCausalLM",
     }
 )
 DEFAULT_IGNORE = (
     "lm_head",
     "re:.*embed_tokens$",
-    "re:.*mlp\\.gate$",  # Qwen MoE router
+    "re:.*mlp\\.gate$",  # Qwen and DeepSeek MoE routers
     "re:.*shared_expert_gate$",
     "re:.*block_sparse_moe\\.gate$",  # Mixtral router
 )

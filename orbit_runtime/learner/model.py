@@ -22,8 +22,11 @@ from orbit_runtime.errors import OrbitError
 from orbit_runtime.int4.quantize import list_shards
 from orbit_runtime.int4.schemes import QuantizedCheckpointInfo, read_quantization_config
 from orbit_runtime.learner.int4_linear import Int4Linear
+from orbit_runtime.learner.moe import MOE_BLOCK_CLASSES, SparseMoeBlock, per_expert_peft_layout, replace_moe_blocks
 
-MOE_MODEL_TYPES = {"qwen2_moe", "qwen3_moe", "mixtral"}
+# MoE architectures `orbit quantize` writes but the learner cannot train yet
+UNSUPPORTED_MOE_TYPES = {"qwen2_moe", "mixtral"}
+FP32_TENSOR_SUFFIXES = ("e_score_correction_bias",)  # routing biases stay fp32 whatever the dtype
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -85,15 +88,18 @@ def load_int4_base(model_dir: Path, dtype: torch.dtype) -> tuple[nn.Module, Quan
         raise OrbitError(f"{model_dir}: not a model directory (no config.json)")
     raw_config = json.loads(config_path.read_text())
     info = read_quantization_config(raw_config, str(config_path))
-    if raw_config.get("model_type") in MOE_MODEL_TYPES:
+    if raw_config.get("model_type") in UNSUPPORTED_MOE_TYPES:
         raise OrbitError(
-            f"{config_path}: the learner does not load MoE models yet ({raw_config['model_type']}); `orbit quantize` and vLLM do"
+            f"{config_path}: the learner does not load {raw_config['model_type']} models; "
+            f"its MoE architectures are {sorted(MOE_BLOCK_CLASSES)}"
         )
     config = AutoConfig.from_pretrained(model_dir)
     config.quantization_config = None  # we do the INT4 part ourselves
     del config.quantization_config
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    if config.model_type in MOE_BLOCK_CLASSES:  # per-expert linears, so they can be packed and get LoRA
+        replace_moe_blocks(model, config)
 
     # Headers only: which shard holds which tensor.
     shards = list_shards(model_dir)
@@ -152,7 +158,9 @@ def load_int4_base(model_dir: Path, dtype: torch.dtype) -> tuple[nn.Module, Quan
                 if shard_of.get(key) != shard:
                     continue
                 tensor = reader.get_tensor(key)
-                tensors[key] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+                if tensor.is_floating_point():
+                    tensor = tensor.float() if key.endswith(FP32_TENSOR_SUFFIXES) else tensor.to(dtype)
+                tensors[key] = tensor
         # strict=False: a shard holds only part of the model (completeness was checked above)
         try:
             model.load_state_dict(tensors, strict=False, assign=True)
@@ -322,7 +330,8 @@ class Policy:
         weights = load_file(path)
         expected = {n for n, p in self.model.named_parameters() if p.requires_grad}
         try:
-            result = set_peft_model_state_dict(self.model, weights)
+            with per_expert_peft_layout(self.model.get_base_model()):
+                result = set_peft_model_state_dict(self.model, weights)
         except RuntimeError as exc:  # shape mismatch: a different rank or model
             raise ValueError(f"{path}: does not fit this adapter ({exc})") from None
         missing = sorted(k for k in result.missing_keys if k in expected)
@@ -343,8 +352,15 @@ class Policy:
                     param.copy_(torch.randn(param.shape, generator=generator).to(param.device) * std)
 
 
-def lora_config(adapter: AdapterSpec):
-    """PEFT LoraConfig for ADAPTER (no bias training: vLLM's LoRA has no bias)."""
+ROUTED_EXPERT_MODULES = r".*\.experts\.\d+\..*"  # mlp.experts.<e>.<proj> of an MoE block
+
+
+def lora_config(adapter: AdapterSpec, has_routed_experts: bool = False):
+    """PEFT LoraConfig for ADAPTER (no bias training: vLLM's LoRA has no bias).
+
+    HAS_ROUTED_EXPERTS: the model holds per-expert linears, which get LoRA only if
+    `adapter.routed_experts` is set.
+    """
     from peft import LoraConfig
 
     return LoraConfig(
@@ -352,6 +368,7 @@ def lora_config(adapter: AdapterSpec):
         lora_alpha=adapter.alpha,
         lora_dropout=adapter.dropout,
         target_modules=adapter.target_modules,
+        exclude_modules=ROUTED_EXPERT_MODULES if has_routed_experts and not adapter.routed_experts else None,
         bias="none",
         task_type="CAUSAL_LM",
     )
@@ -368,7 +385,9 @@ def load_policy(model_dir: Path, adapter: AdapterSpec, dtype: str = "bf16", devi
     unknown = [t for t in adapter.target_modules if t not in present]
     if unknown:
         raise OrbitError(f"adapter.target_modules {unknown} match no linear layer; the model has {sorted(present)}")
-    model = get_peft_model(base, lora_config(adapter))
+    has_routed_experts = any(isinstance(m, SparseMoeBlock) for m in base.modules())
+    with per_expert_peft_layout(base):
+        model = get_peft_model(base, lora_config(adapter, has_routed_experts))
     for name, param in model.named_parameters():
         if param.requires_grad and "lora_" not in name:
             raise RuntimeError(f"base parameter {name} is trainable; only the adapter may be")

@@ -1,0 +1,225 @@
+"""Mixture-of-experts layers of the learner: a router and per-expert linears computed grouped.
+
+transformers 5 keeps a model's routed experts as fused 3-D parameters, which PEFT cannot
+wrap and which would have to be dense. The learner replaces each sparse MoE block with
+`SparseMoeBlock`, whose experts are ordinary linear modules named as the checkpoint names
+them (`mlp.experts.<e>.gate_proj`, ...). The loader then swaps them for packed
+`Int4Linear`s like any other linear, so:
+
+- an expert's dense weight exists only inside its own call (dequantized per call);
+- the routed experts are computed grouped: tokens sorted by expert, one call per expert
+  that received tokens, experts without tokens are never touched;
+- PEFT can put LoRA on the experts' linears and saves it per expert
+  (`experts.<e>.gate_proj.lora_A.weight`), the layout vLLM's MoE LoRA loads.
+
+Routing follows the reference implementations exactly (transformers and vLLM agree):
+Qwen3-MoE scores with a softmax in fp32 over router logits in the model dtype, then
+top-k, optionally renormalised; DeepSeek-V3 scores with a sigmoid in fp32, picks experts
+group-limited with the `e_score_correction_bias`, weights them by their uncorrected
+scores, renormalises and scales by `routed_scaling_factor`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from orbit_runtime.errors import OrbitError
+
+# model_type -> the transformers class name of its sparse MoE block
+MOE_BLOCK_CLASSES = {"qwen3_moe": "Qwen3MoeSparseMoeBlock", "deepseek_v3": "DeepseekV3MoE"}
+
+
+@dataclass(frozen=True)
+class RoutingSpec:
+    """How a token's experts and their weights are chosen (read from the model config)."""
+
+    num_experts: int
+    top_k: int
+    scoring: Literal["softmax", "sigmoid"]
+    renormalize: bool
+    num_groups: int = 1
+    topk_groups: int = 1
+    scaling_factor: float = 1.0
+    correction_bias: bool = False
+
+    @classmethod
+    def from_config(cls, config) -> RoutingSpec:
+        model_type = config.model_type
+        if model_type == "qwen3_moe":
+            return cls(config.num_experts, config.num_experts_per_tok, "softmax", bool(config.norm_topk_prob))
+        if model_type == "deepseek_v3":
+            return cls(
+                config.n_routed_experts,
+                config.num_experts_per_tok,
+                "sigmoid",
+                bool(config.norm_topk_prob),
+                num_groups=config.n_group,
+                topk_groups=config.topk_group,
+                scaling_factor=float(config.routed_scaling_factor),
+                correction_bias=True,
+            )
+        raise OrbitError(f"MoE model_type {model_type!r} is not supported; supported: {sorted(MOE_BLOCK_CLASSES)}")
+
+
+def select_experts(router_logits: torch.Tensor, spec: RoutingSpec, correction_bias: torch.Tensor | None = None):
+    """Router logits [N, E] -> (weights [N, k] float32, expert ids [N, k]). Pure: the rollout uses it too."""
+    if spec.scoring == "softmax":
+        scores = torch.softmax(router_logits.float(), dim=-1)
+        weights, ids = torch.topk(scores, spec.top_k, dim=-1)
+        if spec.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, ids
+    scores = router_logits.float().sigmoid()
+    choice = scores + correction_bias.float() if correction_bias is not None else scores
+    if spec.num_groups > 1:
+        per_group = choice.view(-1, spec.num_groups, spec.num_experts // spec.num_groups)
+        group_scores = per_group.topk(2, dim=-1).values.sum(dim=-1)  # DeepSeek-V3: sum of each group's top 2
+        groups = torch.topk(group_scores, spec.topk_groups, dim=-1, sorted=False).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
+        choice = choice.masked_fill(~keep.repeat_interleave(spec.num_experts // spec.num_groups, dim=1), float("-inf"))
+    ids = torch.topk(choice, spec.top_k, dim=-1, sorted=False).indices
+    weights = scores.gather(1, ids)
+    if spec.renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * spec.scaling_factor, ids
+
+
+class Router(nn.Module):
+    """The gate: a frozen [E, H] projection (kept in 16 bit, never quantized) and the expert choice."""
+
+    def __init__(self, hidden_size: int, spec: RoutingSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.weight = nn.Parameter(torch.empty(spec.num_experts, hidden_size), requires_grad=False)
+        if spec.correction_bias:
+            self.register_buffer("e_score_correction_bias", torch.zeros(spec.num_experts, dtype=torch.float32))
+        else:
+            self.e_score_correction_bias = None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.spec.scoring == "sigmoid":  # DeepSeek-V3 computes its router logits in fp32
+            logits = F.linear(x.float(), self.weight.float())
+        else:
+            logits = F.linear(x, self.weight)
+        return select_experts(logits, self.spec, self.e_score_correction_bias)
+
+
+class ExpertMLP(nn.Module):
+    """One SwiGLU expert (also the shape of shared experts and dense MLP layers)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SparseMoeBlock(nn.Module):
+    """Router + routed experts (+ DeepSeek's shared experts), with checkpoint-compatible names."""
+
+    def __init__(self, hidden_size: int, expert_size: int, spec: RoutingSpec, shared_size: int = 0) -> None:
+        super().__init__()
+        self.gate = Router(hidden_size, spec)
+        self.experts = nn.ModuleList(ExpertMLP(hidden_size, expert_size) for _ in range(spec.num_experts))
+        self.shared_experts = ExpertMLP(hidden_size, shared_size) if shared_size else None
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        weights, ids = self.gate(x)
+        out = grouped_expert_forward(x, weights, ids, self.experts)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out.view(shape)
+
+
+def grouped_expert_forward(
+    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: nn.ModuleList
+) -> torch.Tensor:
+    """sum_k weights[n, k] * experts[ids[n, k]](x[n]), one call per expert on its own tokens.
+
+    Token slots are sorted by expert id (stable), so each expert sees one contiguous group;
+    results are added back in expert order, as transformers' reference loop does.
+    """
+    top_k = ids.shape[-1]
+    flat_ids = ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)
+    tokens = order // top_k
+    slot_weights = weights.reshape(-1)[order].to(x.dtype)
+    counts = torch.bincount(flat_ids, minlength=len(experts)).tolist()
+    out = torch.zeros_like(x)
+    start = 0
+    for expert_id, count in enumerate(counts):
+        if count == 0:
+            continue
+        group = slice(start, start + count)
+        token_ids = tokens[group]
+        out.index_add_(0, token_ids, experts[expert_id](x[token_ids]) * slot_weights[group, None])
+        start += count
+    return out
+
+
+def replace_moe_blocks(model: nn.Module, config) -> int:
+    """Swap every transformers sparse MoE block of MODEL for a `SparseMoeBlock`; returns how many.
+
+    Call it on the meta device, before any weight is loaded: the new blocks are empty.
+    """
+    block_class = MOE_BLOCK_CLASSES.get(config.model_type)
+    if block_class is None:
+        raise OrbitError(f"MoE model_type {config.model_type!r} is not supported; supported: {sorted(MOE_BLOCK_CLASSES)}")
+    spec = RoutingSpec.from_config(config)
+    shared = config.moe_intermediate_size * getattr(config, "n_shared_experts", 0)
+    replaced = 0
+    for name, module in list(model.named_modules()):
+        if type(module).__name__ == block_class:
+            with torch.device(_device_of(module)):
+                block = SparseMoeBlock(config.hidden_size, config.moe_intermediate_size, spec, shared_size=shared)
+            block.to(_dtype_of(module))
+            if block.gate.e_score_correction_bias is not None:  # a selection bias: fp32, as in transformers and vLLM
+                block.gate.e_score_correction_bias = block.gate.e_score_correction_bias.float()
+            parent_name, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent_name), child, block)
+            replaced += 1
+    if not replaced:
+        raise OrbitError(f"{config.model_type}: no {block_class} found in the model")
+    return replaced
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    return next(module.parameters()).device
+
+
+def _dtype_of(module: nn.Module) -> torch.dtype:
+    return next(p for p in module.parameters() if p.is_floating_point()).dtype
+
+
+@contextlib.contextmanager
+def per_expert_peft_layout(model: nn.Module) -> Iterator[None]:
+    """Let PEFT see MODEL's MoE experts as the per-expert linears they are.
+
+    With transformers 5, PEFT rewrites the LoRA targets (`gate_proj` -> the fused
+    `gate_up_proj` parameter) and adapter keys of known MoE model types into transformers'
+    fused 3-D expert layout. The learner's MoE blocks keep per-expert linears (the
+    checkpoint's and vLLM's layout), so while PEFT injects or loads an adapter it is shown
+    a model type that has no such conversion. Other models pass through untouched.
+    """
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in MOE_BLOCK_CLASSES:
+        yield
+        return
+    config.model_type = f"orbit-per-expert-{model_type}"
+    try:
+        yield
+    finally:
+        config.model_type = model_type

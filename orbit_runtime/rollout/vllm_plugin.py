@@ -1,0 +1,30 @@
+"""Orbit's vLLM plugin (entry point group `vllm.general_plugins`, loaded by every vLLM process).
+
+On vLLM's CPU build it registers `CpuInt4Qwen3MoeForCausalLM` for the `Qwen3MoeForCausalLM`
+architecture: the stock model cannot run INT4 experts or MoE LoRA there (see
+`vllm_cpu_moe.py`). On GPU it does nothing, so vLLM's own fused MoE model serves.
+Set ORBIT_VLLM_CPU_MOE=0 to keep vLLM's model on CPU too (e.g. on a CPU with AMX).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+CPU_MOE_MODELS = {"Qwen3MoeForCausalLM": "orbit_runtime.rollout.vllm_cpu_moe:CpuInt4Qwen3MoeForCausalLM"}
+log = logging.getLogger(__name__)
+
+
+def register() -> None:
+    """Called by vLLM at start-up in each of its processes."""
+    if os.environ.get("ORBIT_VLLM_CPU_MOE", "1") == "0":
+        return
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm import ModelRegistry
+
+    for architecture, implementation in CPU_MOE_MODELS.items():
+        ModelRegistry.register_model(architecture, implementation)  # lazy: imported when a model needs it
+        log.info("orbit: %s on CPU uses %s (INT4 experts as linear layers)", architecture, implementation)
