@@ -24,11 +24,12 @@ PIP_FILTER := sed '/is ignored: it is neither a file nor a directory/d'
 # root needs no sudo (CI); elsewhere apt-get runs through sudo
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: help install lock images test-tools test test-fast demo bench clean
+.PHONY: help install lock images test-tools test test-fast demo demo-moe bench clean
 
 help:
 	@echo "make test   - set up .venv and run the test suite (real vLLM CPU server included)"
 	@echo "make demo   - set up .venv, build + quantize the demo model, train it with GRPO (examples/quickstart.yaml)"
+	@echo "make demo-moe - the same on a tiny Qwen3-MoE (examples/quickstart-moe.yaml)"
 	@echo "make bench  - run every CPU benchmark (mismatch, memory) into bench-out/"
 	@echo "make lock   - re-resolve pyproject.toml from scratch and rewrite constraints.txt"
 
@@ -84,6 +85,14 @@ demo: install
 	# resume the finished run and train nothing.)
 	rm -rf $(RUN_DIR)/checkpoints
 	$(VENV)/bin/orbit train examples/quickstart.yaml
+
+# The same task on a tiny Qwen3-MoE (INT4 experts; on CPU vLLM serves it through Orbit's plugin)
+MOE_RUN_DIR := runs/quickstart-moe
+demo-moe: install
+	$(VENV)/bin/orbit demo-model $(MOE_RUN_DIR)/base --arch qwen3_moe --warmup-steps 400 --overwrite
+	$(VENV)/bin/orbit quantize $(MOE_RUN_DIR)/base $(MOE_RUN_DIR)/base-int4 --overwrite
+	rm -rf $(MOE_RUN_DIR)/checkpoints
+	$(VENV)/bin/orbit train examples/quickstart-moe.yaml
 
 bench: install
 	$(PY) benchmarks/mismatch.py --json bench-out/mismatch.json

@@ -164,6 +164,8 @@ def _architecture_config(arch: str, shape: DemoModelShape, common: dict):
         qk_nope_head_dim=head_dim // 2,
         qk_rope_head_dim=head_dim // 2,
         v_head_dim=head_dim,
+        scoring_func="sigmoid",  # not fields of transformers' config, but vLLM reads them (DeepSeek-V3 sets them)
+        topk_method="noaux_tc",
     )
 
 

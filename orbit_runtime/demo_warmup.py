@@ -59,5 +59,9 @@ def warm_up(model_dir: Path, steps: int = 400, seed: int = 0, lr: float = 3e-3, 
         optimizer.step()
         schedule.step()
         loss_value = float(loss.detach())
-    model.to(torch.bfloat16).save_pretrained(model_dir)
+    model.to(torch.bfloat16)
+    for module in model.modules():  # DeepSeek-V3's routing bias stays fp32 (transformers keeps it so too)
+        if getattr(module, "e_score_correction_bias", None) is not None:
+            module.e_score_correction_bias = module.e_score_correction_bias.float()
+    model.save_pretrained(model_dir)
     return loss_value

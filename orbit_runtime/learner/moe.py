@@ -12,11 +12,13 @@ them (`mlp.experts.<e>.gate_proj`, ...). The loader then swaps them for packed
 - PEFT can put LoRA on the experts' linears and saves it per expert
   (`experts.<e>.gate_proj.lora_A.weight`), the layout vLLM's MoE LoRA loads.
 
-Routing follows the reference implementations exactly (transformers and vLLM agree):
-Qwen3-MoE scores with a softmax in fp32 over router logits in the model dtype, then
-top-k, optionally renormalised; DeepSeek-V3 scores with a sigmoid in fp32, picks experts
-group-limited with the `e_score_correction_bias`, weights them by their uncorrected
-scores, renormalises and scales by `routed_scaling_factor`.
+Routing follows transformers' implementations exactly, and makes the same decisions with
+the same weights as vLLM's native `grouped_topk` on the same logits (tested): Qwen3-MoE
+scores with a softmax in fp32 over router logits in the model dtype, then top-k,
+optionally renormalised; DeepSeek-V3 computes its router logits in fp32 (as transformers
+does; vLLM keeps them in the model dtype unless `moe_router_dtype` is float32), scores with
+a sigmoid, picks experts group-limited with the `e_score_correction_bias`, weights them by
+their uncorrected scores, renormalises and scales by `routed_scaling_factor`.
 """
 
 from __future__ import annotations
@@ -55,6 +57,13 @@ class RoutingSpec:
         if model_type == "qwen3_moe":
             return cls(config.num_experts, config.num_experts_per_tok, "softmax", bool(config.norm_topk_prob))
         if model_type == "deepseek_v3":
+            # vLLM reads these two (defaults: softmax, no bias); DeepSeek-V3's checkpoints set them so
+            scoring, method = getattr(config, "scoring_func", "sigmoid"), getattr(config, "topk_method", "noaux_tc")
+            if (scoring, method) != ("sigmoid", "noaux_tc"):
+                raise OrbitError(
+                    f"deepseek_v3 routing scoring_func={scoring!r}, topk_method={method!r}: only DeepSeek-V3's "
+                    "sigmoid + noaux_tc routing is supported"
+                )
             return cls(
                 config.n_routed_experts,
                 config.num_experts_per_tok,

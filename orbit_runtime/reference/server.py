@@ -37,8 +37,9 @@ def create_app(model_dir: Path, dtype: str, device: str = "auto", micro_batch_to
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
     from orbit_runtime.learner.device import resolve_device
+    from orbit_runtime.learner.int4_base import load_int4_base
     from orbit_runtime.learner.micro_batches import MicroBatchLimits, logprobs_in_micro_batches
-    from orbit_runtime.learner.model import Policy, load_int4_base, parse_dtype
+    from orbit_runtime.learner.model import Policy, parse_dtype
     from orbit_runtime.observability import metrics
 
     torch_dtype = parse_dtype(dtype)

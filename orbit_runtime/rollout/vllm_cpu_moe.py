@@ -69,7 +69,9 @@ class ExpertLinearsMoeBlock(nn.Module):
         per_expert = per_expert.to(hidden_states.dtype)
         out = torch.zeros_like(hidden_states)
         for index, expert in enumerate(self.expert_linears):  # in expert order, as the learner adds them
-            out += expert(hidden_states) * per_expert[:, index : index + 1]
+            weight = per_expert[:, index : index + 1]
+            # an expert a token did not choose adds exactly 0, even if its fp16 output overflowed
+            out += (expert(hidden_states) * weight).masked_fill(weight == 0, 0)
         return out
 
 
@@ -191,4 +193,6 @@ class CpuInt4Qwen3MoeForCausalLM(nn.Module, SupportsLoRA):
         return self.logits_processor(self.lm_head, hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return AutoWeightsLoader(self).load_weights(weights, mapper=self.hf_to_vllm_mapper)
+        tied = ["lm_head."] if self.config.tie_word_embeddings else None  # the embedding is the head
+        loader = AutoWeightsLoader(self, ignore_unexpected_prefixes=tied)
+        return loader.load_weights(weights, mapper=self.hf_to_vllm_mapper)

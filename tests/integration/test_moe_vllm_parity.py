@@ -78,7 +78,15 @@ def test_learner_matches_vllm_on_moe(moe_int4, tmp_path):
     adapter_effect = torch.cat([(a.float() - b.float()).abs() for a, b in zip(ours, base, strict=True)]).mean()
     assert delta.numel() >= 256
     assert delta.mean() < 1e-2, f"mean |dlogp| {delta.mean():.2e}"
-    assert adapter_effect > 5 * delta.mean()  # the adapter (experts included) is really applied on both sides
+    assert adapter_effect > 5 * delta.mean()  # the adapter is really applied on both sides
+    # ... its routed-expert part too: without it the learner would be far from vLLM
+    state = policy.adapter_state()
+    policy.load_adapter_state({n: (t * 0 if ".experts." in n and "lora_B" in n else t) for n, t in state.items()})
+    with torch.no_grad():
+        no_experts = policy.completion_logprobs(pairs)
+    policy.load_adapter_state(state)
+    expert_effect = torch.cat([(a.float() - b.float()).abs() for a, b in zip(ours, no_experts, strict=True)]).mean()
+    assert expert_effect > 5 * delta.mean(), f"expert LoRA moves log-probs by {expert_effect:.2e} only"
 
     # routing: the learner's chosen experts per (layer, token) against vLLM's
     chosen: list = []
@@ -99,5 +107,6 @@ def test_learner_matches_vllm_on_moe(moe_int4, tmp_path):
     for hook in hooks:
         hook.remove()
     rate = same / total
-    print(f"MoE parity: mean |dlogp| {delta.mean():.2e} over {delta.numel()} tokens, routing agreement {rate:.4f} of {total}")
+    print(f"MoE parity: mean |dlogp| {delta.mean():.2e} over {delta.numel()} tokens (adapter effect {adapter_effect:.2e}, "
+          f"its routed-expert part {expert_effect:.2e}), routing agreement {rate:.4f} of {total}")  # fmt: skip
     assert rate >= 0.99, f"routing agreement {rate:.4f}"

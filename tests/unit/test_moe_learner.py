@@ -98,6 +98,7 @@ def test_moe_learner_equals_transformers_dense_model(arch, targets, request):
     (theirs * torch.linspace(-1, 1, theirs.shape[-1])).sum().backward()
     worst = max((ours_params[n].grad - theirs_params[n].grad).abs().max().item() for n in ours_params)
     scale = max(theirs_params[n].grad.abs().max().item() for n in theirs_params)
+    print(f"{arch}: max |dlogp| {(ours - theirs).abs().max():.1e}, max |dgrad| {worst:.1e} (largest grad {scale:.1e})")
     assert scale > 1e-3 and worst < 1e-5, f"max |dgrad| {worst:.2e} (largest grad {scale:.2e})"
 
 
@@ -115,6 +116,7 @@ def test_experts_stay_packed(arch, request):
         assert isinstance(layer, Int4Linear) and layer.weight_packed.dtype == torch.int32
         packed += layer.weight_packed.nbytes + layer.weight_scale.nbytes
         bf16 += layer.in_features * layer.out_features * 2
+    print(f"{arch}: packed expert bytes / bf16 = {packed / bf16:.4f}")
     assert 0.25 < packed / bf16 < 0.27  # int4 values + one bf16 scale per 128 weights
     for block in blocks:
         assert block.gate.weight.dtype == torch.bfloat16  # router unquantized, as in the checkpoint
@@ -181,3 +183,125 @@ def test_unsupported_moe_architecture_is_named(qwen3_moe, tmp_path):
     (other / "config.json").write_text(json.dumps({**config, "model_type": "qwen2_moe"}))
     with pytest.raises(OrbitError, match=r"config\.json: the learner does not load qwen2_moe models.*deepseek_v3"):
         load_policy(other, AdapterSpec(rank=4), dtype="fp32")
+
+
+def _give_fused_experts_lora(reference: torch.nn.Module, learner: dict[str, torch.Tensor], scale: float) -> dict:
+    """Put the learner's per-expert LoRA into transformers' fused experts, differentiably.
+
+    Each fused tensor becomes W_e + scale * B_e @ A_e, recomputed at every forward from leaf
+    copies of the learner's lora_A / lora_B (returned by the learner's parameter names).
+    """
+    leaves = {name: value.detach().clone().requires_grad_(True) for name, value in learner.items() if ".experts." in name}
+
+    def delta(prefix: str, expert: int, proj: str) -> torch.Tensor:
+        key = f"{prefix}.{expert}.{proj}.lora_{{}}.default.weight"
+        return scale * leaves[key.format("B")] @ leaves[key.format("A")]
+
+    for name, module in reference.named_modules():
+        if type(module).__name__ != "Qwen3MoeExperts":
+            continue
+        gate_up, down = module.gate_up_proj.detach(), module.down_proj.detach()
+        del module.gate_up_proj, module.down_proj  # plain tensors from now on, rebuilt before each forward
+
+        def rebuild(mod, _args, prefix=name, gate_up=gate_up, down=down):
+            experts = range(gate_up.shape[0])
+            mod.gate_up_proj = gate_up + torch.stack(
+                [torch.cat([delta(prefix, e, "gate_proj"), delta(prefix, e, "up_proj")]) for e in experts]
+            )
+            mod.down_proj = down + torch.stack([delta(prefix, e, "down_proj") for e in experts])
+
+        module.register_forward_pre_hook(rebuild)
+    return leaves
+
+
+def test_routed_expert_lora_equals_transformers_with_the_same_weight_deltas(qwen3_moe):
+    """Routed-expert LoRA (grouped, per expert) against transformers' fused experts holding
+    W + scale * B @ A: log-probs and the gradients of every expert's lora_A and lora_B within 1e-5."""
+    from peft import get_peft_model
+
+    from orbit_runtime.learner.model import lora_config
+
+    src, int4 = qwen3_moe
+    adapter = AdapterSpec(rank=4, alpha=8, target_modules=QWEN3_TARGETS + ["gate_proj", "up_proj", "down_proj"],
+                          routed_experts=True)  # fmt: skip
+    policy = load_policy(int4, adapter, dtype="fp32")
+    policy.init_adapter_randomly(std=0.05, seed=2)
+    ours_params = {n: p for n, p in policy.model.named_parameters() if p.requires_grad}
+    assert sum(".experts." in n for n in ours_params) == 4 * 8 * 3 * 2
+
+    reference = load_dequantized_dense_model(src, int4)
+    with per_expert_peft_layout(reference):  # attention LoRA through PEFT; experts' LoRA by hand below
+        dense = get_peft_model(reference, lora_config(AdapterSpec(rank=4, alpha=8, target_modules=QWEN3_TARGETS)))
+    dense.eval()
+    theirs_params = {n: p for n, p in dense.named_parameters() if p.requires_grad}
+    with torch.no_grad():
+        for name, param in theirs_params.items():
+            param.copy_(ours_params[name])
+    expert_leaves = _give_fused_experts_lora(dense, ours_params, scale=adapter.alpha / adapter.rank)
+    theirs_params.update(expert_leaves)
+    assert set(theirs_params) == set(ours_params)
+
+    ids = torch.randint(0, 96, (2, 40), generator=torch.Generator().manual_seed(1))
+    ours, theirs = policy.token_logprobs(ids), _reference_logprobs(dense, ids)
+    assert (ours - theirs).abs().max() < 1e-5
+    with torch.no_grad(), policy.adapter_disabled():  # the expert LoRA matters
+        assert (ours.detach() - policy.token_logprobs(ids)).abs().mean() > 1e-3
+    weights = torch.linspace(-1, 1, ours.shape[-1])
+    (ours * weights).sum().backward()
+    (theirs * weights).sum().backward()
+
+    def grad(param: torch.Tensor) -> torch.Tensor:  # an expert no token chose is never called: no grad
+        return param.grad if param.grad is not None else torch.zeros_like(param)
+
+    expert_names = [n for n in ours_params if ".experts." in n]
+    assert sum(bool(grad(ours_params[n]).abs().sum() > 0) for n in expert_names) > len(expert_names) // 2
+    worst = max((grad(ours_params[n]) - grad(theirs_params[n])).abs().max().item() for n in ours_params)
+    print(f"routed-expert LoRA: max |dlogp| {(ours - theirs).abs().max():.1e}, max |dgrad| {worst:.1e}")
+    assert worst < 1e-5
+
+
+def test_routing_matches_vllms_grouped_topk():
+    """The same logits give the same experts and weights as vLLM's native routing function."""
+    from vllm.model_executor.layers.fused_moe.router.grouped_topk_router import grouped_topk
+
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(512, 8, generator=generator) * 3
+    hidden = torch.zeros(512, 4)
+    bias = torch.randn(8, generator=generator) * 0.3
+    qwen = RoutingSpec(8, 2, "softmax", True)
+    deepseek = RoutingSpec(8, 2, "sigmoid", True, num_groups=2, topk_groups=1, scaling_factor=2.5, correction_bias=True)
+    cases = [
+        (qwen, None, dict(num_expert_group=1, topk_group=1, scoring_func="softmax")),
+        (deepseek, bias, dict(num_expert_group=2, topk_group=1, scoring_func="sigmoid", routed_scaling_factor=2.5,
+                              e_score_correction_bias=bias)),
+    ]  # fmt: skip
+    for spec, correction, vllm_kwargs in cases:
+        weights, ids = select_experts(logits, spec, correction)
+        theirs_weights, theirs_ids = grouped_topk(hidden, logits, topk=2, renormalize=True, **vllm_kwargs)
+        ours_sorted, order = ids.sort(-1)
+        theirs_sorted, theirs_order = theirs_ids.long().sort(-1)
+        assert torch.equal(ours_sorted, theirs_sorted), spec.scoring
+        assert torch.allclose(weights.gather(1, order), theirs_weights.gather(1, theirs_order), atol=1e-6)
+
+
+def test_deepseek_checkpoint_extras(deepseek, tmp_path):
+    """The demo config names DeepSeek-V3's routing for vLLM; the MTP layer (61) transformers
+    drops on load is dropped here too; another routing is refused naming the fields."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from orbit_runtime.errors import OrbitError
+
+    _, int4 = deepseek
+    config = json.loads((int4 / "config.json").read_text())
+    assert (config["scoring_func"], config["topk_method"]) == ("sigmoid", "noaux_tc")
+    with_mtp = tmp_path / "with-mtp"
+    shutil.copytree(int4, with_mtp)
+    tensors = load_file(with_mtp / "model.safetensors")
+    save_file({**tensors, "model.layers.61.enorm.weight": torch.ones(256)}, with_mtp / "model.safetensors")
+    load_policy(with_mtp, AdapterSpec(rank=4, target_modules=["o_proj"]), dtype="fp32")
+    (with_mtp / "config.json").write_text(json.dumps({**config, "scoring_func": "softmax"}))
+    with pytest.raises(OrbitError, match="scoring_func='softmax'"):
+        load_policy(with_mtp, AdapterSpec(rank=4, target_modules=["o_proj"]), dtype="fp32")
