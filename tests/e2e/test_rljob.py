@@ -29,9 +29,9 @@ from orbit_operator.pod import base_cache_dir, build_configmap, build_pod
 from orbit_operator.settings import OperatorSettings
 from orbit_runtime.processes import free_port
 from tests.e2e.node import ProcessNode
-from tests.integration.test_observability import Prometheus, dashboard_queries
 from tests.kube.emulator import ORBIT_CRD, RLJOBS, KubeEmulator
 from tests.kube.test_operator import operator_process
+from tests.prometheus import Prometheus, assert_dashboards_and_rules_have_data
 
 pytestmark = pytest.mark.vllm
 NS = "default"
@@ -45,6 +45,7 @@ def job_spec(bucket: str, name: str, steps: int) -> dict:
         "base": {"format": "hf", "uri": f"s3://{bucket}/models/demo", "credentialsSecret": "orbit-s3"},
         "model": {"dtype": "fp16", "learner_dtype": "fp32"},
         "adapter": {"rank": 8, "alpha": 16},
+        "algorithm": {"kl_beta": 0.02},  # the KL panels and rules read the reference's log-probs
         "data": {"type": "synthetic_arithmetic", "operations": ["*"], "max_value": 99, "right_values": [10], "validation_size": 8},
         # the untrained demo model writes random characters: a reward about half of them earn, so the adapter moves
         "rewards": [{"function": "regex", "kwargs": {"pattern": "[a-z][a-z]"}}],
@@ -171,7 +172,7 @@ def test_a_role_cannot_write_to_the_base_or_its_root_filesystem(cluster: Cluster
 
 
 def test_job_trains_survives_role_deaths_resumes_and_exports_a_servable_adapter(cluster: Cluster, tmp_path):
-    steps = 16
+    steps = 10
     manifest = cluster.apply("job-a", steps)
     # prepare-base quantizes the S3 checkpoint into the node's cache; the three roles start; Running
     cluster.wait(lambda: cluster.status("job-a").get("phase") == "Running", "job-a Running", 600, pod="job-a-0")
@@ -278,7 +279,7 @@ def test_second_job_reuses_the_base_is_scraped_by_prometheus_suspends_and_resume
     assert mine["action"] == "verified" and mine["seconds"] < quantized["seconds"], (mine, quantized)
     assert {f.name: (f.stat().st_ino, f.stat().st_mtime_ns) for f in model.iterdir()} == files_before  # not rewritten
 
-    # Prometheus scrapes the pod's three roles at the pod IP; every dashboard query has data
+    # Prometheus scrapes the pod's three roles at the pod IP; every dashboard query and rule has data, no alert fires
     ip = cluster.pod("job-b-0")["status"]["podIP"]
     prometheus = Prometheus(tmp_path, {"learner": f"{ip}:{cluster.status_port}", "rollout": f"{ip}:8000", "reference": f"{ip}:8001"})
     try:
@@ -286,8 +287,7 @@ def test_second_job_reuses_the_base_is_scraped_by_prometheus_suspends_and_resume
         cluster.wait(lambda: prometheus.has_data("orbit_checkpoint_last_step > 0"), "a checkpoint", 120, pod="job-b-0")
         up = {r["metric"]["orbit_role"]: r["value"][1] for r in prometheus.query("up")["result"]}
         assert up == {"learner": "1", "rollout": "1", "reference": "1"}, up
-        empty = [(title, expr) for title, expr in dashboard_queries() if not prometheus.has_data(expr)]
-        assert not empty, f"dashboard panels without data: {empty}"
+        assert_dashboards_and_rules_have_data(prometheus)
     finally:
         prometheus.stop()
 

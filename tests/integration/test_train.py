@@ -12,8 +12,11 @@ import textwrap
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
+
+from orbit_runtime.processes import free_port
 
 pytestmark = pytest.mark.vllm
 
@@ -122,20 +125,29 @@ def test_run_survives_rollout_and_reference_death_and_a_raising_reward(tmp_path,
         assert not _alive(roles[role]["pid"]), f"{role} server outlived the run"
 
 
-@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
-def test_stop_signal_checkpoints_and_stops_cleanly_without_orphans(tmp_path, int4_dir, stop):
+def test_stop_signal_checkpoints_and_stops_cleanly_without_orphans(tmp_path, int4_dir):
+    """Ctrl-C. (SIGTERM takes the same handler; the end-to-end job B stops a pod's learner with it.)"""
+    stop = signal.SIGINT
     config = _job(tmp_path, int4_dir, schedule={"steps": 50, "learning_rate": 1e-3})
     run = tmp_path / "runs" / "t"
-    proc = _orbit("train", str(config), cwd=tmp_path)
+    metrics_port = free_port()
+    proc = _orbit("train", str(config), "--metrics-port", str(metrics_port), cwd=tmp_path)
     try:
         _wait_for(lambda: len(_steps(run)) >= 1, 300, "the first training step")
         roles = json.loads((run / "processes.json").read_text())
+        # the learner serves /healthz, /metrics and /status (what the operator copies into a job's status)
+        assert roles["learner"]["metrics_url"] == f"http://127.0.0.1:{metrics_port}"
+        assert httpx.get(f"http://127.0.0.1:{metrics_port}/healthz").status_code == 200
+        assert "orbit_learner_step" in httpx.get(f"http://127.0.0.1:{metrics_port}/metrics").text
+        progress = httpx.get(f"http://127.0.0.1:{metrics_port}/status").json()
+        assert progress["phase"] == "running" and progress["maxSteps"] == 50 and progress["step"] >= 1
         proc.send_signal(stop)
         output, _ = proc.communicate(timeout=120)
     finally:
         proc.kill()
     assert proc.returncode == 128 + stop, output[-2000:]
     assert "stopped at step" in output and stop.name in output
+    assert f"metrics: http://127.0.0.1:{metrics_port}/metrics" in output
     summary = json.loads((run / "summary.json").read_text())
     assert summary["interrupted"] is True and 1 <= summary["steps"] < 50
     # the state after the last completed step was checkpointed before exiting (default URI: the run dir)

@@ -73,7 +73,7 @@ def wait(kube: KubeEmulator, predicate, message: str, timeout: float = 30.0):
 def test_job_lifecycle_pod_status_progress_backoff_suspend_success_and_delete(kube: KubeEmulator, tmp_path: Path) -> None:
     status_port = free_port("127.0.0.1")
     # the learner's /status endpoint (its server and document code), at the pod IP the "kubelet" reports; the
-    # run state is a learner's after 3 steps (a real run serves it in tests/integration/test_observability.py)
+    # run state is a learner's after 3 steps (a real run serves it in tests/e2e/test_rljob.py)
     state = RunState(step=3, adapter_version=3, rows=[{"kind": "eval", "step": 2, "accuracy": 0.25},
                                                        {"kind": "step", "step": 3, "reward_mean": 0.5}])  # fmt: skip
 

@@ -1,6 +1,6 @@
 """The alert rules pass promtool's checks and unit tests (each alert fires from synthetic
 series), and the Grafana dashboard is well-formed. The live evaluation of every query
-against a real Prometheus is tests/integration/test_observability.py."""
+against a real Prometheus scraping a live pod is in tests/e2e/test_rljob.py (job B)."""
 
 from __future__ import annotations
 
