@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from benchmark_output import emit_json
+from gpu_update_timing import timed_updates
 
 
 def dense_reference_logprobs(int4_dir: Path, dense_dir: Path, adapter_dir: Path, ids):
@@ -54,15 +55,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     import torch
-    from learner_scale import make_batch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from orbit_runtime.algorithms.grpo import LossConfig
-    from orbit_runtime.algorithms.update import policy_update
     from orbit_runtime.config import AdapterSpec
     from orbit_runtime.int4.quantize import quantize_checkpoint
     from orbit_runtime.int4.schemes import W4A16Int
-    from orbit_runtime.learner.micro_batches import MicroBatchLimits
     from orbit_runtime.learner.model import load_policy
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -96,40 +93,14 @@ def main(argv: list[str] | None = None) -> int:
         result["base_memory"] = vars(policy.base_memory())
         if cuda:
             result["gpu_bytes_after_load"] = torch.cuda.memory_allocated()
-        optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=1e-4)
-        batch = make_batch(args.prompts, args.group, args.completion_tokens, args.vocab, seed=0)
-        limits = MicroBatchLimits(max_tokens=args.micro_batch_tokens)
-        loss_config = LossConfig(max_tokens=args.completion_tokens)
-        step_times, micro_batches = [], 0
-        for _ in range(args.steps):
-            if cuda:
-                torch.cuda.synchronize()
-            started = time.monotonic()
-            update = policy_update(policy, optimizer, batch, loss_config, temperature=1.0, max_grad_norm=1.0, limits=limits)
-            if cuda:
-                torch.cuda.synchronize()
-            step_times.append(time.monotonic() - started)
-            micro_batches = update.micro_batches
-            checks["update_finite"] = checks.get("update_finite", True) and torch.isfinite(torch.tensor(update.loss)).item()
-        result["step_seconds"] = [round(t, 3) for t in step_times]
-        result["tokens_per_step"] = sum(len(c) for _, c in batch.pairs)
-        result["micro_batches_per_step"] = micro_batches
-        result["micro_batch_tokens"] = args.micro_batch_tokens
-        if cuda:
-            result["peak_gpu_reserved_bytes"] = torch.cuda.max_memory_reserved()
-        if cuda:
-            result["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
-            dense_bf16 = result["model_params"] * 2
-            result["peak_vs_dense_bf16_weights"] = round(result["peak_gpu_bytes"] / dense_bf16, 3)
-            # never expanded the whole base: peak stays well below the dense bf16 weights alone
-            checks["peak_below_dense_weights"] = result["peak_gpu_bytes"] < dense_bf16
+        batch = timed_updates(policy, args, cuda, result, checks)
 
         adapter_dir = policy.save_adapter(Path(tmp) / "adapter")
         prompt, completion = batch.pairs[0]
         probe = torch.tensor([(prompt + completion)[:128]])
         with torch.no_grad():
             learner_bf16 = policy.token_logprobs(probe.to(args.device)).float().cpu()
-        del policy, optimizer
+        del policy
         if cuda:
             torch.cuda.empty_cache()
         fp32_policy = load_policy(int4_dir, adapter, dtype="fp32", device=args.device)

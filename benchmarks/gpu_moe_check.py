@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from benchmark_output import emit_json
+from gpu_update_timing import timed_updates
 
 
 def reference_with_adapter(dense_dir: Path, int4_dir: Path, adapter, adapter_state: dict):
@@ -86,15 +87,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     import torch
-    from learner_scale import make_batch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from orbit_runtime.algorithms.grpo import LossConfig
-    from orbit_runtime.algorithms.update import policy_update
     from orbit_runtime.config import AdapterSpec
     from orbit_runtime.int4.quantize import quantize_checkpoint
     from orbit_runtime.int4.schemes import W4A16Int
-    from orbit_runtime.learner.micro_batches import MicroBatchLimits
     from orbit_runtime.learner.model import load_policy
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -130,28 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         policy.set_gradient_checkpointing(True)
         result["base_memory"] = vars(policy.base_memory())
         result["adapter_params"] = sum(p.numel() for p in policy.trainable_parameters())
-        optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=1e-4)
-        batch = make_batch(args.prompts, args.group, args.completion_tokens, args.vocab, seed=0)
-        limits = MicroBatchLimits(max_tokens=args.micro_batch_tokens)
-        step_times = []
-        for _ in range(args.steps):
-            if cuda:
-                torch.cuda.synchronize()
-            started = time.monotonic()
-            update = policy_update(policy, optimizer, batch, LossConfig(max_tokens=args.completion_tokens),
-                                   temperature=1.0, max_grad_norm=1.0, limits=limits)  # fmt: skip
-            if cuda:
-                torch.cuda.synchronize()
-            step_times.append(time.monotonic() - started)
-            checks["update_finite"] = checks.get("update_finite", True) and bool(torch.isfinite(torch.tensor(update.loss)))
-        result["step_seconds"] = [round(t, 3) for t in step_times]
-        result["tokens_per_step"] = sum(len(c) for _, c in batch.pairs)
-        if cuda:
-            result["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
-            result["peak_gpu_reserved_bytes"] = torch.cuda.max_memory_reserved()
-            dense_bf16 = result["model_params"] * 2
-            result["peak_vs_dense_bf16_weights"] = round(result["peak_gpu_bytes"] / dense_bf16, 3)
-            checks["peak_below_dense_weights"] = result["peak_gpu_bytes"] < dense_bf16
+        batch = timed_updates(policy, args, cuda, result, checks)
 
         adapter_state = policy.adapter_state()
         prompt, completion = batch.pairs[0]
@@ -159,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         learner_bf16, _ = logprobs_and_routing(policy.model, probe.to(args.device), "Router")
         with policy.adapter_disabled():
             learner_bf16_base, _ = logprobs_and_routing(policy.model, probe.to(args.device), "Router")
-        del policy, optimizer
+        del policy
         if cuda:
             torch.cuda.empty_cache()
             torch.backends.cuda.matmul.allow_tf32 = False
