@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from orbit_runtime.atomic_dir import atomic_directory
+from orbit_runtime.config.quantization import DEFAULT_IGNORE, matches_any
 from orbit_runtime.errors import OrbitError
 from orbit_runtime.int4.base_digest import write_base_manifest
-from orbit_runtime.int4.schemes import WeightScheme, matches_any
+from orbit_runtime.int4.schemes import WeightScheme
 
 # Architectures whose checkpoint tensor names we know: every 2-D `*.weight` is a linear
 # layer unless it is an embedding, the LM head or an MoE router (kept in 16 bit).
@@ -31,13 +32,6 @@ SUPPORTED_ARCHITECTURES = frozenset(
         "MixtralForCausalLM",
         "DeepseekV3ForCausalLM",
     }
-)
-DEFAULT_IGNORE = (
-    "lm_head",
-    "re:.*embed_tokens$",
-    "re:.*mlp\\.gate$",  # Qwen and DeepSeek MoE routers
-    "re:.*shared_expert_gate$",
-    "re:.*block_sparse_moe\\.gate$",  # Mixtral router
 )
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

@@ -9,7 +9,6 @@ subclass registered in `SCHEMES`; the quantizer and the learner only talk to thi
 
 from __future__ import annotations
 
-import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -149,18 +148,3 @@ def read_quantization_config(config: dict[str, Any], source: str) -> QuantizedCh
     ):
         raise OrbitError(f"{source}: unsupported weight quantization {weights}; expected symmetric INT4 per group")
     return QuantizedCheckpointInfo(scheme=W4A16Int(group_size=int(weights["group_size"])), ignore=tuple(qc.get("ignore", [])))
-
-
-def matches_any(module_name: str, patterns: tuple[str, ...] | list[str]) -> bool:
-    """compressed-tensors ignore semantics: `re:REGEX` (re.match) or an exact module name.
-
-    A plain name also matches as the last dotted component(s), so `lm_head` or
-    `mlp.gate` match in every layer.
-    """
-    for pattern in patterns:
-        if pattern.startswith("re:"):
-            if re.match(pattern[3:], module_name):
-                return True
-        elif module_name == pattern or module_name.endswith("." + pattern):
-            return True
-    return False
