@@ -99,6 +99,32 @@ def _fetch_source(source: str, scratch: Path) -> Path:
     return scratch
 
 
+def base_model_config(cache: Path, source: str | None) -> dict:
+    """The config.json of the base CACHE holds, or of SOURCE before it is prepared (for an s3:// source
+    only config.json is downloaded): what `orbit prepare-base --plan` plans the pod with."""
+    import tempfile as tmp
+
+    path = Path(cache) / MODEL / "config.json"
+    with tmp.TemporaryDirectory(prefix="orbit-config-") as scratch:
+        if not path.is_file() and source is not None:
+            if source.startswith("s3://"):
+                from orbit_runtime.checkpoint.storage import StorageError, open_store
+
+                path = Path(scratch) / "config.json"
+                try:
+                    open_store(source).get_file("config.json", path)
+                except StorageError as exc:
+                    raise OrbitError(f"{source}: cannot read config.json ({exc})") from None
+            else:
+                path = Path(source) / "config.json"
+        try:
+            return json.loads(path.read_text())
+        except FileNotFoundError:
+            raise OrbitError(f"{path}: no config.json to plan the job with") from None
+        except ValueError as exc:
+            raise OrbitError(f"{path}: not valid JSON ({exc})") from None
+
+
 def _copy_int4(src: Path, dst: Path) -> None:
     """Copy an INT4 base's regular top-level files, then make sure its digest describes the copy."""
     from orbit_runtime.int4.schemes import read_quantization_config

@@ -11,6 +11,8 @@ import typer
 from rich.console import Console
 
 from orbit_runtime.errors import OrbitError
+from orbit_runtime.plan_command import DOES_NOT_FIT_EXIT, admission_check, check_pod_fit, write_termination_log
+from orbit_runtime.plan_command import register as register_plan_command
 from orbit_runtime.role_commands import register as register_role_commands
 
 app = typer.Typer(
@@ -228,9 +230,15 @@ def validate(
     file: Annotated[Path, typer.Argument(help="An `orbit train` config, or RLTrainingJob manifest(s) (multi-document YAML).")],
     max_gpus_per_node: Annotated[int, typer.Option(help="GPUs per node in your cluster (the operator's ORBIT_MAX_GPUS_PER_NODE).")] = 8,
     allow_image_override: Annotated[bool, typer.Option(help="The operator allows per-role images (ORBIT_ALLOW_IMAGE_OVERRIDE).")] = False,
+    model_config: Annotated[str | None, typer.Option(help="The base's config.json (or a catalog name): also check that each "
+                                                     "job fits its node (default: what the job's base.architecture names).")] = None,
+    gpu: Annotated[str | None, typer.Option(help="Your nodes' GPU (the operator's ORBIT_NODE_GPU), for jobs whose "
+                                            "nodeSelector names none.")] = None,
+    gpu_memory_gib: Annotated[float | None, typer.Option(help="One GPU's memory instead (ORBIT_NODE_GPU_MEMORY_GIB).")] = None,
 ) -> None:
     """Validate FILE: a plain job config exactly as `orbit train` reads it, or every RLTrainingJob
-    in it exactly as the operator would. Exit 0 if valid, 1 with one line per problem otherwise."""
+    in it exactly as the operator would (including its fit, when the job or --model-config names the
+    model). Exit 0 if valid, 1 with one line per problem otherwise."""
     from orbit_operator.validation import ManifestError, read_documents, validate_job
     from orbit_runtime.config import load_job_spec
 
@@ -260,7 +268,15 @@ def validate(
         check = validate_job(document, f"{file}: document {index}", max_gpus_per_node, allow_image_override)
         label = f"{file}: document {index} (RLTrainingJob {check.name or '?'})"
         if check.ok:
-            console.print(f"{label}: valid")
+            try:
+                fit = admission_check(check.spec, model_config, gpu, gpu_memory_gib, max_gpus_per_node)
+            except OrbitError as exc:
+                check.errors.append(f"plan: {exc}")
+                fit = None
+            if fit is not None and not fit.fits:
+                check.errors.append(f"DoesNotFit: {fit.message()}")
+        if check.ok:
+            console.print(f"{label}: valid" + (f"; {fit.summary()}" if fit is not None else ""))
             continue
         failed = True
         console.print(f"[bold red]error:[/] {label}: invalid")
@@ -276,6 +292,12 @@ def prepare_base_command(
     format: Annotated[str, typer.Option("--format", help="hf: quantize a Hugging Face checkpoint; int4: copy an INT4 base.")] = "hf",
     source: Annotated[str | None, typer.Option(help="Source directory or s3:// prefix (none: the base must be there).")] = None,
     group_size: Annotated[int, typer.Option(help="INT4 scale group size (format hf).")] = 128,
+    plan: Annotated[Path | None, typer.Option(help="The job's plan request (plan.json from the operator): plan the pod "
+                                              "with the base's config.json before preparing it.")] = None,
+    enforce_fit: Annotated[bool, typer.Option(help=f"Fail (exit {DOES_NOT_FIT_EXIT}, DoesNotFit) when the plan says the pod "
+                                              "cannot fit (the job's first start).")] = False,
+    termination_log: Annotated[Path | None, typer.Option(help="Write the plan's verdict here as JSON (the pod's "
+                                                         "terminationMessagePath).")] = None,
 ) -> None:
     """Put the INT4 base into the node cache once: verify it if it is there, else quantize or copy it
     (atomic, under a lock shared by every pod on the node). The pod's init container."""
@@ -284,6 +306,11 @@ def prepare_base_command(
     if format not in ("hf", "int4"):
         console.print(f"[bold red]error:[/] --format must be hf or int4, got {format!r}")
         raise typer.Exit(code=1)
+    report = check_pod_fit(plan, cache, source, console) if plan is not None else None
+    if report is not None and not report["fits"] and enforce_fit:
+        write_termination_log(termination_log, {"reason": "DoesNotFit", "message": report["message"], "plan": report["summary"]})
+        console.print(f"[bold red]error:[/] DoesNotFit: {report['message']}")
+        raise typer.Exit(code=DOES_NOT_FIT_EXIT)
     try:
         result = prepare_base(cache, format, source, group_size)  # type: ignore[arg-type]
     except OrbitError as exc:
@@ -291,6 +318,8 @@ def prepare_base_command(
         raise typer.Exit(code=1) from None
     verb = {"verified": "reused (verified)", "quantized": "quantized", "copied": "copied and verified"}[result.action]
     console.print(f"base {verb} in {result.seconds:.1f}s (waited {result.waited_for_lock_s:.1f}s for the lock): digest {result.digest}")
+    if report is not None:
+        write_termination_log(termination_log, {"plan": report["summary"]})
     typer.echo(result.path)
 
 
@@ -311,6 +340,7 @@ def crd(
 
 
 register_role_commands(app, _fail, _configure_logging)
+register_plan_command(app, _fail)
 
 if __name__ == "__main__":
     app()

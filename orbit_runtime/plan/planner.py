@@ -1,0 +1,64 @@
+"""`make_plan`: a model and a job on a node -> parameters, the base's bytes, and the three layouts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from orbit_runtime.plan.activations import micro_batch, update_memory
+from orbit_runtime.plan.architecture import Architecture
+from orbit_runtime.plan.hardware import Node
+from orbit_runtime.plan.layouts import LayoutPlan, full_finetune_layout, separate_layout, shared_layout
+from orbit_runtime.plan.parameters import ParameterCount, count_parameters, model_linears
+from orbit_runtime.plan.request import PlanRequest
+from orbit_runtime.plan.weights import BaseWeights, Quantization, base_weights, lora_params, quantization_of
+
+LAYOUTS = ("separate", "shared", "full_finetune")
+
+
+@dataclass
+class Plan:
+    arch: Architecture
+    request: PlanRequest
+    node: Node
+    params: ParameterCount
+    quantization: Quantization
+    base: BaseWeights
+    lora_params: int
+    layouts: dict[str, LayoutPlan]
+    nodes_bf16_state: int | None  # full fine-tuning with bf16 AdamW moments and no fp32 master copy
+
+    @property
+    def recommended(self) -> str | None:
+        """separate where it fits (roles restart independently), else shared, else none."""
+        for name in ("separate", "shared"):
+            if self.layouts[name].fits:
+                return name
+        return None
+
+
+def make_plan(arch: Architecture, request: PlanRequest) -> Plan:
+    node = request.node.node()
+    params = count_parameters(arch)
+    quantization = quantization_of(arch, request)
+    base = base_weights(arch, quantization)
+    full = full_finetune_layout(arch, params.total, request, node)
+    return Plan(
+        arch=arch, request=request, node=node, params=params, quantization=quantization, base=base,
+        lora_params=lora_params(model_linears(arch), request),
+        layouts={"separate": separate_layout(arch, base, request, node), "shared": shared_layout(arch, base, request, node),
+                 "full_finetune": full},
+        nodes_bf16_state=full_finetune_layout(arch, params.total, request, node, state_bytes=8).nodes,
+    )  # fmt: skip
+
+
+def learner_step_bytes(arch: Architecture, request: PlanRequest) -> dict[str, int]:
+    """What one learner step adds on top of the loaded learner (one device): for comparisons with a
+    measured step (`orbit plan --compare`, benchmarks/plan_accuracy.py)."""
+    from orbit_runtime.plan.weights import LEARNER_LORA_BYTES
+
+    update = update_memory(arch, request)
+    adapter = lora_params(model_linears(arch), request)
+    # first step: AdamW allocates its moments; every step: gradients and the snapshot (weights + moments)
+    return {"activations": update.activations, "logits": update.logits, "lora_gradients": 4 * adapter,
+            "optimizer_state": 8 * adapter, "step_snapshot": (LEARNER_LORA_BYTES - 16) * adapter,
+            "micro_batch_tokens": micro_batch(request).tokens}  # fmt: skip
