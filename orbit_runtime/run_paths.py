@@ -20,6 +20,10 @@ class RunPaths:
         return self.root / "samples.jsonl"
 
     @property
+    def job_spec(self) -> Path:  # the job spec the run was started with (for `orbit plan --compare`)
+        return self.root / "job.json"
+
+    @property
     def summary(self) -> Path:
         return self.root / "summary.json"
 

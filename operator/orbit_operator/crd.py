@@ -136,6 +136,8 @@ STATUS_SCHEMA: dict[str, Any] = {
                 "adapterVersion": {"type": "integer"},
             },
         },
+        "plan": {"type": "string", "description": "Whether the job fits its node, in one line (orbit plan): what each GPU "
+                 "or container needs of what it has, and the tightest row."},
     },
 }
 

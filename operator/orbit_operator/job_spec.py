@@ -65,6 +65,42 @@ class BaseSource(Section):
         None, pattern=DNS_LABEL, max_length=253,
         description="Secret with S3 credentials for `uri` (AWS_ACCESS_KEY_ID, ...), given to prepare-base only.",
     )  # fmt: skip
+    architecture: str | None = Field(
+        None, max_length=63,
+        description="The base's architecture, by the name of a model in `orbit plan`'s catalog (deepseek-v3, "
+        "kimi-k2-thinking, qwen3-235b-a22b, ...): the operator then checks that the job fits its node before any pod "
+        "exists. Optional: prepare-base checks it from the base's own config.json in any case.",
+    )  # fmt: skip
+    modelConfig: dict[str, Any] | None = Field(
+        None,
+        description="The base's config.json (at least the fields the planner reads) for a model not in the catalog: "
+        "the operator then checks that the job fits before any pod exists. At most one of architecture and modelConfig.",
+    )
+
+    @field_validator("architecture")
+    @classmethod
+    def validate_architecture(cls, name: str | None) -> str | None:
+        if name is not None:
+            from orbit_runtime.plan.architecture import PlanError
+            from orbit_runtime.plan.catalog import catalog_config
+
+            try:
+                catalog_config(name)
+            except PlanError as exc:
+                raise ValueError(str(exc)) from None
+        return name
+
+    @field_validator("modelConfig")
+    @classmethod
+    def validate_model_config(cls, config: dict[str, Any] | None) -> dict[str, Any] | None:
+        if config is not None:
+            from orbit_runtime.plan.architecture import PlanError, parse_architecture
+
+            try:
+                parse_architecture(config, "modelConfig")
+            except PlanError as exc:
+                raise ValueError(str(exc).removeprefix("modelConfig: ")) from None
+        return config
 
     @field_validator("uri")
     @classmethod
@@ -87,6 +123,8 @@ class BaseSource(Section):
         given = [name for name in ("pvc", "uri", "nodeCache") if getattr(self, name) is not None]
         if len(given) != 1:
             raise ValueError(f"set exactly one of pvc, uri, nodeCache (got {', '.join(given) or 'none'})")
+        if self.architecture is not None and self.modelConfig is not None:
+            raise ValueError("set at most one of architecture and modelConfig")
         if self.nodeCache is not None and self.format != "int4":
             raise ValueError("nodeCache holds INT4 bases only: set format: int4")
         return self

@@ -42,6 +42,7 @@ from typing import Any
 import yaml
 
 from orbit_operator.crd import GROUP, KIND, VERSION
+from orbit_operator.fit import plan_request
 from orbit_operator.job_spec import RLTrainingJobSpec, RoleResources
 from orbit_operator.settings import OperatorSettings
 
@@ -53,6 +54,7 @@ CONFIG_MOUNT = "/etc/orbit"
 RUN_MOUNT = "/var/run/orbit"  # the learner's run directory (metrics.jsonl, report, staging)
 DATA_MOUNT = "/data"  # the base's PVC, read-only, in the learner (file data)
 CONFIG_FILE = "job.yaml"
+PLAN_FILE = "plan.json"  # the job's plan request (orbit_operator.fit): prepare-base plans the pod with the base's config.json
 TERMINATION_LOG = "/dev/termination-log"  # the learner's final /status, read by the operator from the pod status
 APPLIED_SPEC_FILE = "spec.json"  # the RLTrainingJob spec the job's pods are built from
 PORTS = {"rollout": 8000, "reference": 8001}  # `orbit learner` finds them there; its own is the operator's learner_status_port
@@ -104,6 +106,7 @@ def build_configmap(name: str, namespace: str, spec: RLTrainingJobSpec, settings
         "data": {
             CONFIG_FILE: yaml.safe_dump(runtime_config(spec, settings), sort_keys=True),
             APPLIED_SPEC_FILE: json.dumps(spec.model_dump(mode="json"), sort_keys=True),
+            PLAN_FILE: plan_request(spec, settings).model_dump_json(),
         },
     }
 
@@ -181,8 +184,10 @@ def _container(name: str, image: str, command: list[str], settings: OperatorSett
     }
 
 
-def build_pod(name: str, namespace: str, spec: RLTrainingJobSpec, settings: OperatorSettings, attempt: int = 0) -> dict:
-    """The pod of attempt ATTEMPT (0, then one more per pod failure) of job NAME."""
+def build_pod(name: str, namespace: str, spec: RLTrainingJobSpec, settings: OperatorSettings, attempt: int = 0,
+              enforce_fit: bool = False) -> dict:  # fmt: skip
+    """The pod of attempt ATTEMPT (0, then one more per pod failure) of job NAME. ENFORCE_FIT (the job's
+    first start): prepare-base fails the pod with DoesNotFit when the plan says the job cannot fit."""
     names = object_names(name, attempt)
     cache_dir = base_cache_dir(spec, namespace)
     base_ro = {"name": "base-cache", "mountPath": BASE_MOUNT, "subPath": f"{cache_dir}/model", "readOnly": True}
@@ -193,7 +198,8 @@ def build_pod(name: str, namespace: str, spec: RLTrainingJobSpec, settings: Oper
     prepare_mounts = [{"name": "base-cache", "mountPath": CACHE_MOUNT, "subPath": cache_dir,
                        **({"readOnly": True} if spec.base.nodeCache else {})}, config]  # fmt: skip
     prepare = ["orbit", "prepare-base", "--cache", CACHE_MOUNT, "--format", spec.base.format,
-               "--group-size", str(spec.base.groupSize)]  # fmt: skip
+               "--group-size", str(spec.base.groupSize), "--plan", f"{CONFIG_MOUNT}/{PLAN_FILE}",
+               "--termination-log", TERMINATION_LOG, *(["--enforce-fit"] if enforce_fit else [])]  # fmt: skip
     if spec.base.pvc is not None:
         prepare_mounts.append({"name": "base-source", "mountPath": SOURCE_MOUNT, "subPath": spec.base.pvc.subPath,
                                "readOnly": True})  # fmt: skip
@@ -203,6 +209,8 @@ def build_pod(name: str, namespace: str, spec: RLTrainingJobSpec, settings: Oper
     init = _container("prepare-base", image, prepare, settings, RoleResources(cpu="2", memory="8Gi"), prepare_mounts)
     if spec.base.credentialsSecret:
         init["envFrom"] = [{"secretRef": {"name": spec.base.credentialsSecret}}]  # the base's S3 source: prepare-base only
+    # its plan (a one-line summary, or DoesNotFit with the breakdown) as JSON, or the end of its log if it failed otherwise
+    init.update(terminationMessagePath=TERMINATION_LOG, terminationMessagePolicy="FallbackToLogsOnError")
 
     config_file, bind = f"{CONFIG_MOUNT}/{CONFIG_FILE}", ["--host", f"$({POD_IP_ENV})"]
     rollout = _container("rollout", image, ["orbit", "rollout", config_file, *bind], settings, res.rollout,

@@ -26,7 +26,14 @@ Lifecycle:
   `SpecChangeRefused` condition names the fields (apply it with a new restartId, or by
   suspending and resuming);
 - no new pod while an old one of the job is still terminating (two learners never write
-  the same checkpoints).
+  the same checkpoints);
+- does it fit its node? Before the job ever starts, when it names its architecture
+  (base.architecture / base.modelConfig) the operator plans it (orbit_operator.fit): a job
+  that cannot fit is Failed with reason DoesNotFit and the breakdown, no pod created (fixing
+  the spec starts it); one that fits records the plan's summary in status.plan. The first
+  pod's prepare-base plans again with the base's own config.json and fails the pod with
+  DoesNotFit, which ends the job (no retry: another pod would not fit either). Later pods
+  (retries, resumes) never enforce it: a running job is never refused by a stricter planner.
 """
 
 from __future__ import annotations
@@ -35,12 +42,21 @@ import copy
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
+from orbit_operator.fit import admission_fit
 from orbit_operator.job_spec import RLTrainingJobSpec
 from orbit_operator.pod import applied_spec, build_configmap, build_pod, object_names
 from orbit_operator.settings import OperatorSettings
-from orbit_operator.status import TERMINAL, backoff_seconds, phase_of_pod, progress_from_learner, set_condition
+from orbit_operator.status import (
+    TERMINAL,
+    backoff_seconds,
+    phase_of_pod,
+    prepare_base_report,
+    progress_from_learner,
+    set_condition,
+)
 from orbit_operator.validation import validate_job
 from orbit_runtime.config.fingerprint import describe_differences
+from orbit_runtime.errors import OrbitError
 
 LIFECYCLE_FIELDS = ("suspend", "restartId", "backoffLimit", "activeDeadlineSeconds", "ttlSecondsAfterFinished")
 TIME_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
@@ -171,8 +187,29 @@ def plan(observed: Observed, settings: OperatorSettings) -> Plan:  # noqa: C901 
         status["reapply"] = True
         events.append(("Normal", "SpecFixed", "the spec is valid now"))
 
+    failed = old_conditions.get("Failed") or {}
+    edited = (job.get("status") or {}).get("observedGeneration") != meta.get("generation")
+    if old_phase == "Failed" and failed.get("reason") == "DoesNotFit" and not status.get("startTime") and edited:
+        old_phase = None  # refused before it ever ran, and its spec changed since: planned again
+        status.pop("completionTime", None)
+        conditions = [c for c in conditions if c.get("type") != "Failed"]
     if old_phase in TERMINAL:
         return finish(old_phase, _ttl_plan(status, spec.ttlSecondsAfterFinished, now))
+    if not status.get("startTime") and not active:
+        try:
+            fit = admission_fit(spec, settings)
+        except OrbitError as exc:  # e.g. a linear the group size cannot split: the planner cannot judge it
+            fit, status["plan"] = None, f"not planned: {exc}"[:500]
+        if fit is not None and not fit.fits:
+            message = fit.message()[:1000]
+            if failed.get("reason") != "DoesNotFit" or failed.get("message") != message:
+                events.append(("Warning", "DoesNotFit", message))
+            conditions = set_condition(conditions, "Failed", True, "DoesNotFit", message, stamp)
+            conditions = set_condition(conditions, "Ready", False, "DoesNotFit", "the job cannot fit its node", stamp)
+            status.update(plan=fit.summary()[:500], completionTime=stamp)
+            return finish("Failed", _ttl_plan(status, spec.ttlSecondsAfterFinished, now))
+        if fit is not None:
+            status["plan"] = fit.summary()[:500]
 
     attempt, failures = int(status.get("attempt", 0)), int(status.get("failures", 0))
     pod_name = object_names(name, attempt)["pod"]
@@ -218,7 +255,8 @@ def plan(observed: Observed, settings: OperatorSettings) -> Plan:  # noqa: C901 
         if retry_at is not None and now < retry_at:
             return finish(old_phase or "Pending", Plan(status, requeue_after=(retry_at - now).total_seconds()))
         use = spec if reapply else applied
-        new_pod = build_pod(name, namespace, use, settings, attempt)  # type: ignore[arg-type]
+        first_start = not status.get("startTime")  # only the job's first pod may refuse it for not fitting
+        new_pod = build_pod(name, namespace, use, settings, attempt, enforce_fit=first_start)  # type: ignore[arg-type]
         if old_phase == "Suspended" or not status.get("startTime"):
             status["startTime"] = stamp  # the deadline counts from the (re)start
         status.update(podName=pod_name)
@@ -231,6 +269,9 @@ def plan(observed: Observed, settings: OperatorSettings) -> Plan:  # noqa: C901 
 
     pod_phase = phase_of_pod(pod)
     status["podName"] = pod_name  # also for a pod an operator created just before it died (adopted)
+    report = prepare_base_report(pod)
+    if report and isinstance(report.get("plan"), str):
+        status["plan"] = report["plan"][:500]
     status.setdefault("startTime", stamp)
     if observed.learner_status is not None:
         status["progress"] = progress_from_learner(observed.learner_status)
@@ -239,6 +280,12 @@ def plan(observed: Observed, settings: OperatorSettings) -> Plan:  # noqa: C901 
         conditions = set_condition(conditions, "Ready", False, "Finished", "the job finished", stamp)
         return finish("Succeeded", _ttl_plan({**status, "completionTime": stamp}, spec.ttlSecondsAfterFinished, now),
                       completionTime=stamp)  # fmt: skip
+    if pod_phase == "Failed" and report and report.get("reason") == "DoesNotFit":
+        message = str(report.get("message", ""))[:1000]
+        events.append(("Warning", "DoesNotFit", message))
+        conditions = set_condition(conditions, "Failed", True, "DoesNotFit", message, stamp)
+        conditions = set_condition(conditions, "Ready", False, "DoesNotFit", "the job cannot fit its node", stamp)
+        return finish("Failed", completionTime=stamp)
     if pod_phase == "Failed":
         failures += 1
         reason = _failure_reason(pod)

@@ -42,6 +42,10 @@ class OperatorSettings:
     learner_status_port: int = 9400
     allow_image_override: bool = False  # may a job set resources.<role>.image? (its learner gets the job's Secrets)
     backoff_base_seconds: float = 10.0  # first delay before a failed pod is replaced; doubles, at most 5 minutes
+    # the GPU of the cluster's nodes, for jobs whose nodeSelector names none (nvidia.com/gpu.product): a name of
+    # the planner's table (H100, H200, B200, MI300X) or one GPU's memory; unset: such jobs are planned by prepare-base
+    node_gpu: str | None = None
+    node_gpu_memory_gib: float | None = None
     extra_pod_env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -52,12 +56,21 @@ class OperatorSettings:
             raise OrbitError("ORBIT_STATUS_POLL_SECONDS and ORBIT_BACKOFF_BASE_SECONDS must be > 0")
         if self.max_gpus_per_node < 1:
             raise OrbitError(f"ORBIT_MAX_GPUS_PER_NODE must be >= 1, got {self.max_gpus_per_node}")
+        if self.node_gpu is not None:
+            from orbit_runtime.plan.hardware import gpu_model
+
+            try:
+                gpu_model(self.node_gpu)
+            except OrbitError as exc:
+                raise OrbitError(f"ORBIT_NODE_GPU: {exc}") from None
+        if self.node_gpu_memory_gib is not None and self.node_gpu_memory_gib <= 0:
+            raise OrbitError(f"ORBIT_NODE_GPU_MEMORY_GIB must be > 0, got {self.node_gpu_memory_gib}")
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> OperatorSettings:
         """ORBIT_CACHE_ROOT, ORBIT_RUNTIME_IMAGE, ORBIT_NAMESPACES (comma-separated), ORBIT_MAX_GPUS_PER_NODE,
         ORBIT_RUN_AS_USER, ORBIT_STATUS_POLL_SECONDS, ORBIT_LEARNER_STATUS_PORT, ORBIT_BACKOFF_BASE_SECONDS,
-        ORBIT_ALLOW_IMAGE_OVERRIDE."""
+        ORBIT_ALLOW_IMAGE_OVERRIDE, ORBIT_NODE_GPU, ORBIT_NODE_GPU_MEMORY_GIB."""
         env = dict(os.environ if env is None else env)
 
         def number(name: str, default, kind=int):
@@ -79,4 +92,6 @@ class OperatorSettings:
             learner_status_port=number("ORBIT_LEARNER_STATUS_PORT", 9400),
             backoff_base_seconds=number("ORBIT_BACKOFF_BASE_SECONDS", 10.0, float),
             allow_image_override=env.get("ORBIT_ALLOW_IMAGE_OVERRIDE", "false").lower() in ("1", "true", "yes"),
+            node_gpu=env.get("ORBIT_NODE_GPU") or None,
+            node_gpu_memory_gib=number("ORBIT_NODE_GPU_MEMORY_GIB", None, float),
         )

@@ -49,6 +49,20 @@ def learner_final_status(pod: dict | None) -> dict | None:
     return None
 
 
+def prepare_base_report(pod: dict | None) -> dict | None:
+    """What prepare-base reported when it ended (its termination message, JSON): {"plan": summary} or
+    {"reason": "DoesNotFit", "message": breakdown, "plan": summary}; None if it wrote none."""
+    for container in ((pod or {}).get("status") or {}).get("initContainerStatuses") or []:
+        message = ((container.get("state") or {}).get("terminated") or {}).get("message", "")
+        if container.get("name") == "prepare-base" and message.startswith("{"):
+            try:
+                document = json.loads(message)
+            except ValueError:
+                return None
+            return document if isinstance(document, dict) else None
+    return None
+
+
 def set_condition(conditions: list[dict], type_: str, status: bool, reason: str, message: str, at: str | None = None) -> list[dict]:
     """CONDITIONS with TYPE set (one entry per type); lastTransitionTime changes only when the status flips."""
     value = "True" if status else "False"

@@ -113,7 +113,7 @@ class Trainer:
         )  # fmt: skip
         self.loss_config = loss_config(spec)
         self.state = RunState()
-        self.recorder = RunRecorder(self.paths, self.state, spec.run.name)
+        self.recorder = RunRecorder(self.paths, self.state, spec.run.name, spec)
         self.stop = StopController()
         self.rollout = RolloutRole(rollout_server_config(spec, self.paths.logs / "vllm.log", self.device), canary_pairs(spec, self.tokenizer, self.splits.validation),
                                    spec.canary_tolerance(), spec.sync.retries, spec.rollout.max_restarts,

@@ -116,12 +116,15 @@ def _sample_step(line: str) -> float:
 
 
 class RunRecorder:
-    """Appends rows to the run's files; the rows also live in STATE (checkpoints carry them)."""
+    """Appends rows to the run's files; the rows also live in STATE (checkpoints carry them). SPEC, the
+    job spec, is written to job.json (what `orbit plan --compare` plans the run with)."""
 
-    def __init__(self, paths: RunPaths, state: RunState, name: str) -> None:
+    def __init__(self, paths: RunPaths, state: RunState, name: str, spec=None) -> None:
         self.paths = paths
         self.state = state
         self.name = name
+        if spec is not None:
+            paths.job_spec.write_text(spec.model_dump_json(indent=2))
 
     def record(self, row: dict) -> dict:
         """Append ROW (time-stamped) to metrics.jsonl and to the rows a checkpoint carries; returns it."""

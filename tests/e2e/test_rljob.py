@@ -178,6 +178,9 @@ def test_job_trains_survives_role_deaths_resumes_and_exports_a_servable_adapter(
     cluster.wait(lambda: cluster.status("job-a").get("phase") == "Running", "job-a Running", 600, pod="job-a-0")
     first = cluster.pod("job-a-0")
     assert _container(first, "prepare-base")["state"]["terminated"]["exitCode"] == 0
+    # prepare-base planned the pod with the base's config.json: each CPU container's need of its memory limit
+    assert cluster.status("job-a")["plan"].startswith("fits: rollout "), cluster.status("job-a")
+    assert "/4.0 GiB, reference " in cluster.status("job-a")["plan"] and "/2.0 GiB, learner " in cluster.status("job-a")["plan"]
     history = _cache_history(cluster, manifest)
     assert [h["action"] for h in history] == ["quantized"] and history[0]["source"] == f"s3://{cluster.bucket}/models/demo"
     # the S3 credentials reach the learner only (and prepare-base, through the base's own credentialsSecret)
@@ -222,11 +225,24 @@ def test_job_trains_survives_role_deaths_resumes_and_exports_a_servable_adapter(
     assert steps1[:resumed] == [steps0[n] for n in range(1, resumed + 1)]  # the checkpoint's rows, not new ones
     assert any(r.get("rollout_restarts") == 1 for r in rows0 if r["kind"] == "step")
     assert [h["action"] for h in _cache_history(cluster, manifest)] == ["quantized", "verified"]  # pod 1 reused the base
+    _assert_the_plan_compares_with_what_the_learner_measured(cluster, manifest, "job-a-1")
 
     # checkpoints are in S3; the final adapter, exported, is served by a fresh vLLM as the learner scored it
     complete = [c["step"] for c in cluster.checkpoints("job-a") if c["complete"]]
     assert complete and max(complete) == steps  # (older ones pruned by checkpoint.keep_last)
     _assert_fresh_vllm_serves_the_exported_adapter(cluster, manifest, steps, tmp_path)
+
+
+def _assert_the_plan_compares_with_what_the_learner_measured(cluster: Cluster, manifest: dict, pod: str) -> None:
+    """`orbit plan --compare` on the learner's run directory (the pod's run volume), with the cached base's config."""
+    (run,) = cluster.node.root.glob(f"pods/{NS}_{pod}_*/volumes/run/*/job.json")
+    base = cluster.cache_root / base_cache_dir(RLTrainingJobSpec.model_validate(manifest["spec"]), NS) / "model"
+    out = subprocess.run([sys.executable, "-m", "orbit_runtime.cli", "plan", "--compare", str(run.parent), "--model-config",
+                          str(base), "--json"], capture_output=True, text=True)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    compared = json.loads(out.stdout)
+    assert compared["device"] == "cpu" and compared["steps"] >= 1 and compared["planned"]["first_step_bytes"] > 0
+    assert compared["measured"]["first_step_peak_above_start_bytes"] >= 0  # the resumed life's first step, as measured
 
 
 def _seconds(timestamp: str) -> float:
@@ -313,3 +329,26 @@ def test_second_job_reuses_the_base_is_scraped_by_prometheus_suspends_and_resume
     # deleting the job stops and removes its pod
     cluster.kube.kubectl("delete", "rltrainingjob", "job-b", timeout=180)
     cluster.wait(lambda: not cluster.kube.list_pods(NS, label_selector="orbit.dev/job=job-b"), "job-b's pod removed", 180)
+
+
+def test_a_job_whose_base_cannot_fit_fails_in_prepare_base_with_the_breakdown(cluster: Cluster, s3_endpoint):
+    """The operator cannot read the base; the pod's prepare-base can. Its base is DeepSeek-V3 (only its
+    config.json is in the bucket: prepare-base plans before it downloads or quantizes anything), its
+    containers have 2-4 GiB: the first pod fails with DoesNotFit, the job with it, and no pod is retried."""
+    from orbit_runtime.plan.catalog import catalog_config
+
+    path = cluster.tmp / "deepseek-config.json"
+    path.write_text(json.dumps(catalog_config("deepseek-v3")))
+    s3_endpoint.client().upload_file(str(path), cluster.bucket, "models/deepseek/config.json")
+    manifest = cluster.apply("job-c", 4, base={"format": "hf", "uri": f"s3://{cluster.bucket}/models/deepseek", "credentialsSecret": "orbit-s3"})
+    cluster.wait(lambda: cluster.status("job-c").get("phase") == "Failed", "job-c Failed", 120, pod="job-c-0")
+    status = cluster.status("job-c")
+    failed = next(c for c in status["conditions"] if c["type"] == "Failed")
+    assert failed["reason"] == "DoesNotFit", failed
+    assert "learner container needs" in failed["message"] and "of 4.0 GiB (base_int4" in failed["message"], failed
+    assert status["plan"].startswith("does not fit: rollout ") and status.get("attempt", 0) == 0
+    assert _container(cluster.pod("job-c-0"), "prepare-base")["state"]["terminated"]["exitCode"] == 3
+    assert any(e["reason"] == "DoesNotFit" for e in cluster.kube.events(NS, involved_name="job-c"))
+    time.sleep(3)  # longer than the backoff: no second pod
+    assert not cluster.pod("job-c-1") and _cache_history(cluster, manifest) == []  # and nothing was quantized
+

@@ -234,3 +234,42 @@ def test_an_operator_watching_listed_namespaces_runs_only_their_jobs(kube: KubeE
         other = kube.get(KubeEmulator.path(RLJOBS, "other", JOB))
         assert "status" not in other and not kube.list_pods("other")  # not watched: untouched
     assert not [c for c in kube.api_calls(OPERATOR_TOKEN) if c[-1] == "cluster"]  # nothing cluster-wide (scanning off)
+
+
+def test_a_job_that_cannot_fit_its_node_is_refused_with_the_breakdown_and_starts_once_fixed(kube: KubeEmulator, tmp_path: Path) -> None:
+    """Admission: the job names its architecture (base.architecture) and its GPUs (the nodeSelector's
+    product): the operator plans it before any pod exists. DeepSeek-V3 with today's one-device learner
+    does not fit an H200; edited to a model that fits, it starts, and its status says how it fits."""
+    job = yaml.safe_load((REPO_ROOT / "examples" / "rljob-cpu.yaml").read_text())
+    job["metadata"]["name"] = "too-big"
+    job["spec"].update(base={"format": "int4", "nodeCache": "demo", "architecture": "deepseek-v3"},
+                       model={"dtype": "bf16"}, learner={"device": "cuda"}, nodeSelector={"nvidia.com/gpu.product": "NVIDIA-H200"},
+                       resources={"rollout": {"gpus": 4, "memory": "1500Gi"}, "learner": {"gpus": 4, "memory": "1500Gi"}},
+                       rollout={"tensor_parallel_size": 4, "max_tokens": 1024, "max_model_len": 2048})  # fmt: skip
+    path = tmp_path / "too-big.yaml"
+    path.write_text(yaml.safe_dump(job))
+    job_path = KubeEmulator.path(RLJOBS, NS, "too-big")
+    with operator_process(kube, tmp_path / "operator.log", free_port("127.0.0.1")):
+        kube.kubectl("apply", "--validate=false", "-f", str(path))
+        wait(kube, lambda: status(kube, job_path).get("phase") == "Failed", "refused")
+        failed = next(c for c in status(kube, job_path)["conditions"] if c["type"] == "Failed")
+        assert failed["reason"] == "DoesNotFit", failed
+        assert "learner on 1 x H200 needs" in failed["message"] and "base_int4 321.3" in failed["message"], failed
+        assert status(kube, job_path)["plan"].startswith("does not fit:")
+        wait(kube, lambda: any(e["reason"] == "DoesNotFit" and e["type"] == "Warning" for e in kube.events(involved_name="too-big")),
+             "a DoesNotFit event")  # fmt: skip
+        assert not [p for p in kube.list_pods(NS) if p["metadata"]["name"].startswith("too-big")]
+        # `orbit validate` says the same before anything is applied
+        check = subprocess.run([sys.executable, "-m", "orbit_runtime.cli", "validate", str(path)], capture_output=True, text=True,
+                               cwd=REPO_ROOT)  # fmt: skip
+        assert check.returncode == 1 and "DoesNotFit: learner on 1 x H200 needs" in check.stderr, check.stderr
+        # edited to a model that fits one H200 per role: it starts, with the plan in its status
+        kube.kubectl("patch", "rljob", "too-big", "--type=merge", "-p",
+                     '{"spec":{"base":{"architecture":"qwen3-8b"},"rollout":{"tensor_parallel_size":1},'
+                     '"resources":{"rollout":{"gpus":1},"learner":{"gpus":1}}}}')  # fmt: skip
+        created = wait(kube, lambda: pods(kube).get("too-big-0"), "its first pod")
+        wait(kube, lambda: status(kube, job_path).get("phase") == "Pending", "Pending")
+        assert status(kube, job_path)["plan"].startswith("fits: rollout 1xH200"), status(kube, job_path)
+        assert not [c for c in status(kube, job_path)["conditions"] if c["type"] == "Failed"]
+        prepare = created["spec"]["initContainers"][0]["command"]
+        assert "--enforce-fit" in prepare and "/etc/orbit/plan.json" in prepare  # prepare-base plans it again, with the base

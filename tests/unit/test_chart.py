@@ -27,7 +27,7 @@ EVERYTHING_ON = {
     "watchNamespaces": ["team-a", "team-b"],
     "imagePullSecrets": ["registry"],
     "operator": {"nodeSelector": {"node-role": "system"}, "tolerations": [{"key": "system", "operator": "Exists"}],
-                 "podLabels": {"team": "ml"}, "podAnnotations": {"a": "b"}},
+                 "podLabels": {"team": "ml"}, "podAnnotations": {"a": "b"}, "nodeGpu": "H200"},
     "monitoring": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}},
                    "podMonitor": {"enabled": True, "labels": {"release": "prom"}},
                    "prometheusRule": {"enabled": True}, "grafanaDashboard": {"enabled": True, "folder": "ML"}},
@@ -76,6 +76,11 @@ def test_the_operator_deployment_configures_the_operator_as_its_settings_read_it
     assert settings.runtime_image == f"ghcr.io/orbit-rl/orbit-runtime:{APP_VERSION}"
     assert container["image"] == f"ghcr.io/orbit-rl/orbit-operator:{APP_VERSION}"
     assert settings.run_as_user == 10001 and settings.learner_status_port == 9400
+    assert settings.node_gpu == "H200" and settings.node_gpu_memory_gib is None  # the planner's node at admission
+    default_env = {e["name"]: e["value"] for e in by_kind(render(), "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert OperatorSettings.from_env(default_env).node_gpu is None  # unset: jobs are planned by their prepare-base
+    sized = by_kind(render({"operator": {"nodeGpuMemoryGiB": 96}}), "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]
+    assert OperatorSettings.from_env({e["name"]: e["value"] for e in sized["env"]}).node_gpu_memory_gib == 96
     assert container["securityContext"]["readOnlyRootFilesystem"] and pod["securityContext"]["runAsNonRoot"]
     assert container["livenessProbe"]["httpGet"]["port"] == "health" and container["readinessProbe"]
     assert pod["nodeSelector"] == {"node-role": "system"} and pod["imagePullSecrets"] == [{"name": "registry"}]
@@ -97,6 +102,7 @@ def test_monitoring_objects_select_what_exists():
 
 
 BAD_VALUES = {
+    "a GPU the planner does not know": ({"operator": {"nodeGpu": "A100"}}, "nodeGpu"),
     "unknown top-level key": ({"cacheroot": "/x"}, "additional properties"),
     "unknown nested key": ({"operator": {"replicas": 2}}, "additional properties"),
     "relative cache root": ({"cacheRoot": "var/lib/orbit"}, "/cacheRoot"),

@@ -72,8 +72,10 @@ def test_peak_memory_is_per_step():
     tracker.reset()
     big = torch.ones(64 * 2**20, dtype=torch.uint8)  # 64 MiB, touched
     del big
-    first = tracker.read()["peak_rss_bytes"]
+    step = tracker.read()
+    first = step["peak_rss_bytes"]
     tracker.reset()
     second = tracker.read()["peak_rss_bytes"]
     assert tracker.rss_peak_is_per_step  # Linux: VmHWM is reset by clear_refs
     assert first - second > 48 * 2**20  # the reset forgot the first step's peak
+    assert 48 * 2**20 < first - step["rss_at_step_start_bytes"] < 96 * 2**20  # what the step added (orbit plan --compare)
