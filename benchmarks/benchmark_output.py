@@ -1,7 +1,8 @@
 """How every benchmark reports: JSON on stdout and, with --json PATH, the same JSON in a file.
 
-Every result carries `environment`: the commit, CPU, core count, Python and the versions of
-the packages that decide the numbers, so a committed result says what produced it.
+Every result carries `environment`: the commit, CPU, its vector ISA flags (the same code runs
+at very different speeds with and without AVX-512, BF16 or AMX), core count, Python and the
+versions of the packages that decide the numbers, so a committed result says what produced it.
 """
 
 from __future__ import annotations
@@ -38,8 +39,23 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve")
+
+
+def _cpu_flags() -> list[str]:
+    """The vector ISA extensions this CPU reports (/proc/cpuinfo), of those that change kernel speed."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                present = set(line.split(":", 1)[1].split())
+                return [flag for flag in ISA_FLAGS if flag in present]
+    except OSError:
+        pass
+    return []
+
+
 def environment() -> dict:
-    """What produced a result: commit, CPU, cores, Python and package versions."""
+    """What produced a result: commit, CPU and its ISA flags, cores, Python and package versions."""
     versions = {}
     for name in PACKAGES:
         try:
@@ -49,6 +65,7 @@ def environment() -> dict:
     return {
         "commit": _commit(),
         "cpu": _cpu_model(),
+        "cpu_flags": _cpu_flags(),
         "cpu_cores": os.cpu_count(),
         "python": platform.python_version(),
         "packages": versions,

@@ -127,23 +127,22 @@ def backward_scratch(arch: Architecture) -> PerToken:
 
 @dataclass(frozen=True)
 class MicroBatch:
-    rows: int  # sequences in one forward/backward
+    rows: int  # sequences in one forward/backward (of the longest planned length)
     width: int  # tokens a sequence (prompt + completion, the longest planned)
-
-    @property
-    def tokens(self) -> int:
-        return self.rows * self.width
+    tokens: int  # padded tokens in one forward/backward
 
 
 def micro_batch(request: PlanRequest) -> MicroBatch:
-    """The largest forward/backward: as many longest sequences as micro_batch_tokens (and micro_batch_size) allow."""
+    """The largest forward/backward. Micro-batches are packed up to micro_batch_tokens padded tokens
+    (learner/micro_batches.py), so sequences shorter than the longest fill the budget with more rows:
+    the plan takes the budget itself (or one longest sequence, if it is longer), capped by the batch
+    and by micro_batch_size sequences of the longest length."""
     width = request.sequence_tokens
-    rows = request.samples
+    rows = request.samples if request.micro_batch_size is None else min(request.samples, request.micro_batch_size)
+    tokens = rows * width
     if request.micro_batch_tokens is not None:
-        rows = min(rows, max(1, request.micro_batch_tokens // width))
-    if request.micro_batch_size is not None:
-        rows = min(rows, request.micro_batch_size)
-    return MicroBatch(rows, width)
+        tokens = min(tokens, max(width, request.micro_batch_tokens))
+    return MicroBatch(max(1, min(rows, tokens // width)), width, tokens)
 
 
 @dataclass(frozen=True)
@@ -163,12 +162,12 @@ def update_memory(arch: Architecture, request: PlanRequest, gpus: int = 1, full_
     per_layer = [layer_saved(arch, i, request, full_finetune).bytes_on(n, act_bytes) for i in range(arch.layers)]
     scratch = backward_scratch(arch).bytes_on(n, act_bytes)
     final_norm = arch.hidden * (4 + act_bytes)
-    mask = mb.rows * mb.width * mb.width  # transformers' boolean [rows, 1, S, S] padding mask, shared by the layers
+    mask = mb.tokens * mb.width  # transformers' boolean [rows, 1, S, S] padding mask, shared by the layers
     recompute = max(per_layer) + scratch
     with_gc = mb.tokens * (arch.layers * arch.hidden * act_bytes + recompute + final_norm) + mask
     without_gc = mb.tokens * (sum(per_layer) + scratch + final_norm) + mask
     vocab = arch.vocab / n
-    logit_tokens = mb.rows * (mb.width - 1)
+    logit_tokens = mb.tokens - mb.rows  # every position but each sequence's last
     return UpdateMemory(
         activations=int(with_gc if request.gradient_checkpointing else without_gc),
         logits=int(LOGITS_BYTES_TRAIN * logit_tokens * vocab),
@@ -184,4 +183,4 @@ def scoring_memory(arch: Architecture, request: PlanRequest, gpus: int = 1) -> t
     mb = micro_batch(request)
     act_bytes = DTYPE_BYTES[request.learner_dtype]
     layer = max(layer_saved(arch, i, request).bytes_on(gpus, act_bytes) for i in range(arch.layers))
-    return int(mb.tokens * layer), int(LOGITS_BYTES_SCORE * mb.rows * (mb.width - 1) * arch.vocab / max(gpus, 1))
+    return int(mb.tokens * layer), int(LOGITS_BYTES_SCORE * (mb.tokens - mb.rows) * arch.vocab / max(gpus, 1))

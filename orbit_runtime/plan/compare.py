@@ -4,8 +4,8 @@ A run records its job spec (`job.json`) and, in every step row of `metrics.jsonl
 learner process's peaks (`peak_rss_bytes`, on CUDA `cuda_peak_allocated_bytes`) and where
 the step started (`rss_at_step_start_bytes`, `cuda_allocated_at_step_start_bytes`). What a
 step adds is compared with the plan's step rows: gradients, activations, logits, the step
-snapshot, and on the first step of a run (or of a resumed life) AdamW's moments, which
-are allocated then. On CUDA the peak allocated memory is also compared with the whole
+snapshot, and on a fresh run's first step AdamW's moments, which are allocated then (see
+planner.learner_step). On CUDA the peak allocated memory is also compared with the whole
 planned learner (base, adapter state, activations, logits): CUDA allocations are tensors
 only, nothing of the runtime.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 from orbit_runtime.errors import OrbitError
 from orbit_runtime.plan.architecture import read_architecture
 from orbit_runtime.plan.hardware import GIB
-from orbit_runtime.plan.planner import learner_step_bytes
+from orbit_runtime.plan.planner import learner_step
 from orbit_runtime.plan.request import from_job_spec
 from orbit_runtime.plan.roles import learner_rows
 from orbit_runtime.plan.weights import base_weights, quantization_of
@@ -58,22 +58,21 @@ def compare_run(run: Path, model_config: Path | None = None) -> dict:
     arch = read_architecture(Path(model_config or spec.model.path))
     request = from_job_spec(spec)
     rows = _rows(run)
-    planned = learner_step_bytes(arch, request)
-    later = planned["activations"] + planned["logits"] + planned["lora_gradients"] + planned["step_snapshot"]
-    first = later + planned["optimizer_state"]
+    first_plan, later_plan = learner_step(arch, request, first=True), learner_step(arch, request, first=False)
+    first, later = first_plan.peak, later_plan.peak
     cuda = "cuda_peak_allocated_bytes" in rows[0]
     key, start = ("cuda_peak_allocated_bytes", "cuda_allocated_at_step_start_bytes") if cuda else ("peak_rss_bytes", "rss_at_step_start_bytes")
-    measured = [{"step": r["step"], "peak_above_start_bytes": r[key] - r[start], "first_of_life": i == 0 or rows[i - 1]["step"] >= r["step"]}
-                for i, r in enumerate(rows)]  # fmt: skip
-    first_rows = [m for m in measured if m["first_of_life"]]
-    later_rows = [m for m in measured if not m["first_of_life"]]
+    measured = [{"step": r["step"], "peak_above_start_bytes": r[key] - r[start]} for r in rows]
+    first_rows = [m for m in measured if m["step"] == 1]  # a fresh run's first step (a resumed life restores the moments)
+    later_rows = [m for m in measured if m["step"] != 1]
     doc: dict = {
         "run": str(run), "device": "cuda" if cuda else "cpu", "model": str(spec.model.path), "steps": len(rows),
-        "planned": {"first_step_bytes": first, "later_step_bytes": later, **planned},
-        "measured": {"first_step_peak_above_start_bytes": max(m["peak_above_start_bytes"] for m in first_rows),
+        "planned": {"first_step_bytes": first, "later_step_bytes": later, "first_step": first_plan.rows, "later_step": later_plan.rows},
+        "measured": {"first_step_peak_above_start_bytes": max((m["peak_above_start_bytes"] for m in first_rows), default=None),
                      "later_step_peak_above_start_bytes": max((m["peak_above_start_bytes"] for m in later_rows), default=None)},
     }  # fmt: skip
-    doc["ratio_first_step"] = round(doc["measured"]["first_step_peak_above_start_bytes"] / first, 3)
+    if first_rows:
+        doc["ratio_first_step"] = round(doc["measured"]["first_step_peak_above_start_bytes"] / first, 3)
     if later_rows:
         doc["ratio_later_steps"] = round(doc["measured"]["later_step_peak_above_start_bytes"] / later, 3)
     if cuda:
@@ -92,13 +91,14 @@ def render_comparison(doc: dict, console) -> None:
 
     console.print(f"{doc['run']} ({doc['device']}, {doc['steps']} steps; base {doc['model']})")
     planned, measured = doc["planned"], doc["measured"]
-    console.print(f"first step:  planned {gib(planned['first_step_bytes'])}, measured {gib(measured['first_step_peak_above_start_bytes'])} "
-                  f"above the step's start (measured/planned {doc['ratio_first_step']})")  # fmt: skip
+    if "ratio_first_step" in doc:
+        console.print(f"first step:  planned {gib(planned['first_step_bytes'])}, measured "
+                      f"{gib(measured['first_step_peak_above_start_bytes'])} above the step's start "
+                      f"(measured/planned {doc['ratio_first_step']})")  # fmt: skip
     if "ratio_later_steps" in doc:
         console.print(f"later steps: planned {gib(planned['later_step_bytes'])}, measured at most "
                       f"{gib(measured['later_step_peak_above_start_bytes'])} (measured/planned {doc['ratio_later_steps']})")  # fmt: skip
     if "ratio_learner_total" in doc:
         console.print(f"learner on its GPU: planned {gib(planned['learner_total_bytes'])}, peak allocated "
                       f"{gib(measured['cuda_peak_allocated_bytes'])} (measured/planned {doc['ratio_learner_total']})")  # fmt: skip
-    console.print("planned step rows: " + ", ".join(f"{k} {gib(v)}" for k, v in planned.items()
-                                                     if k.endswith(("activations", "logits", "gradients", "state", "snapshot"))))  # fmt: skip
+    console.print("planned first step: " + ", ".join(f"{k} {gib(v)}" for k, v in planned["first_step"].items()))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from orbit_runtime.plan.activations import micro_batch, update_memory
+from orbit_runtime.plan.activations import update_memory
 from orbit_runtime.plan.architecture import Architecture
 from orbit_runtime.plan.hardware import Node
 from orbit_runtime.plan.layouts import LayoutPlan, full_finetune_layout, separate_layout, shared_layout
@@ -51,14 +51,27 @@ def make_plan(arch: Architecture, request: PlanRequest) -> Plan:
     )  # fmt: skip
 
 
-def learner_step_bytes(arch: Architecture, request: PlanRequest) -> dict[str, int]:
-    """What one learner step adds on top of the loaded learner (one device): for comparisons with a
-    measured step (`orbit plan --compare`, benchmarks/plan_accuracy.py)."""
-    from orbit_runtime.plan.weights import LEARNER_LORA_BYTES
+@dataclass(frozen=True)
+class StepPlan:
+    """What one learner step adds on top of the loaded learner (one device), and its peak."""
 
+    rows: dict[str, int]
+    peak: int
+
+
+def learner_step(arch: Architecture, request: PlanRequest, first: bool) -> StepPlan:
+    """For comparisons with a measured step (`orbit plan --compare`, benchmarks/plan_accuracy.py).
+
+    The step snapshot comes first, the gradients build up in backward while activations and logits
+    live, AdamW updates after them. FIRST (a fresh run's first step): AdamW allocates its moments in
+    its update, after the logits are gone, and the snapshot holds only the adapter's weights; later the
+    moments exist before the step (not added by it) and the snapshot copies them too."""
     update = update_memory(arch, request)
     adapter = lora_params(model_linears(arch), request)
-    # first step: AdamW allocates its moments; every step: gradients and the snapshot (weights + moments)
-    return {"activations": update.activations, "logits": update.logits, "lora_gradients": 4 * adapter,
-            "optimizer_state": 8 * adapter, "step_snapshot": (LEARNER_LORA_BYTES - 16) * adapter,
-            "micro_batch_tokens": micro_batch(request).tokens}  # fmt: skip
+    rows = {"activations": update.activations, "logits": update.logits, "lora_gradients": 4 * adapter,
+            "step_snapshot": (4 if first else 12) * adapter}  # fmt: skip
+    held = rows["lora_gradients"] + rows["step_snapshot"]
+    if first:
+        rows["optimizer_state"] = 8 * adapter
+        return StepPlan(rows, held + max(update.activations + update.logits, rows["optimizer_state"]))
+    return StepPlan(rows, held + update.activations + update.logits)
