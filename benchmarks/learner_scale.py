@@ -122,16 +122,16 @@ def worker(args: argparse.Namespace) -> dict:
     }
 
 
-def build_int4_model(tmp: Path, args: argparse.Namespace) -> tuple[Path, int]:
+def build_int4_model(tmp: Path, hidden: int, intermediate: int, layers: int, vocab: int) -> tuple[Path, int]:
+    """A random Qwen2-shape bf16 model (tied embeddings) quantized to INT4 at TMP/int4; returns it and its parameter count."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from orbit_runtime.int4.quantize import quantize_checkpoint
     from orbit_runtime.int4.schemes import W4A16Int
 
-    config = Qwen2Config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                         num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
-                         num_key_value_heads=max(1, args.hidden // 256), max_position_embeddings=4096,
+    config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                         num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 256), max_position_embeddings=4096,
                          tie_word_embeddings=True)  # fmt: skip
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config).to(torch.bfloat16)
@@ -179,7 +179,7 @@ def main() -> None:
 
     workloads = {}
     with tempfile.TemporaryDirectory(prefix="orbit-learner-scale-") as tmp:
-        model_dir, params = build_int4_model(Path(tmp), args)
+        model_dir, params = build_int4_model(Path(tmp), args.hidden, args.intermediate, args.layers, args.vocab)
         for tokens in [args.completion_tokens] + ([args.short_tokens] if args.short_tokens else []):
             budgets = args.micro_batch_tokens if tokens == args.completion_tokens else args.micro_batch_tokens[:1]
             runs: dict = {f"micro_batches_{n}": run_config(args, model_dir, tokens, n) for n in budgets}

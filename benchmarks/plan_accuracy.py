@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import statistics
 import subprocess
 import sys
@@ -41,9 +40,9 @@ import tempfile
 from pathlib import Path
 
 from benchmark_output import emit_json
+from learner_scale import MALLOC_PINNED, build_int4_model, make_batch, status_bytes
 
-MALLOC_PINNED = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
-PROMPT_LENGTHS = (32, 97)  # random.randrange bounds: the longest prompt is 96 tokens
+LONGEST_PROMPT = 96  # learner_scale.make_batch draws prompts of 32-96 tokens
 CONFIGS = {
     # name: (micro_batch_tokens, gradient_checkpointing, learner dtype, LoRA rank)
     "checkpointing_4096_tokens": (4096, True, "bf16", 16),
@@ -52,13 +51,6 @@ CONFIGS = {
     "fp32_learner_2048_tokens": (2048, True, "fp32", 16),
     "rank_128_2048_tokens": (2048, True, "bf16", 128),
 }
-
-
-def status_bytes(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def one_step(model_dir: Path, config: str, prompts: int, group: int, completion_tokens: int, measure: bool) -> dict:
@@ -94,21 +86,6 @@ def one_step(model_dir: Path, config: str, prompts: int, group: int, completion_
             "base_tensor_bytes": base.packed_bytes + base.dense_bytes, "loss": result.loss}  # fmt: skip
 
 
-def make_batch(prompts: int, group: int, completion_tokens: int, vocab: int, seed: int):
-    import torch
-
-    from orbit_runtime.algorithms.update import UpdateBatch
-
-    rng = random.Random(seed)
-    pairs = []
-    for _ in range(prompts):
-        prompt = [rng.randrange(vocab) for _ in range(rng.randrange(*PROMPT_LENGTHS))]
-        pairs += [(prompt, [rng.randrange(vocab) for _ in range(completion_tokens)]) for _ in range(group)]
-    generator = torch.Generator().manual_seed(seed)
-    rollout = [torch.full((completion_tokens,), -10.4) + 0.1 * torch.randn(completion_tokens, generator=generator) for _ in pairs]
-    return UpdateBatch(pairs, rollout, torch.randn(len(pairs), generator=generator))
-
-
 def worker(args: argparse.Namespace) -> dict:
     """Warm up on a tiny INT4 model of the same family with the same settings (the runtime's lazily loaded
     modules and kernel code pages are then resident, as in a running learner), then measure the real one."""
@@ -131,7 +108,7 @@ def planned(model_dir: Path, config: str, args: argparse.Namespace) -> dict:
     from orbit_runtime.plan.weights import base_weights, quantization_of
 
     micro, checkpointing, dtype, rank = CONFIGS[config]
-    request = PlanRequest(rank=rank, prompts=args.prompts, group=args.group, prompt_tokens=PROMPT_LENGTHS[1] - 1,
+    request = PlanRequest(rank=rank, prompts=args.prompts, group=args.group, prompt_tokens=LONGEST_PROMPT,
                           completion_tokens=args.completion_tokens, micro_batch_tokens=micro, gradient_checkpointing=checkpointing,
                           learner_dtype=dtype, node=NodeSpec(gpus=0))  # fmt: skip
     arch = read_architecture(model_dir)
@@ -143,25 +120,6 @@ def planned(model_dir: Path, config: str, args: argparse.Namespace) -> dict:
     # row (the process's libraries) is what the warm-up left resident before the model was loaded
     return {"step_bytes": step.peak, "total_bytes": base + adapter_weights + step.peak, "base_bytes": base,
             "naive_weights_and_optimizer_bytes": base + rows["lora"], "step_rows": step.rows, "learner_rows": rows}  # fmt: skip
-
-
-def build_int4_model(tmp: Path, hidden: int, intermediate: int, layers: int, vocab: int) -> tuple[Path, int]:
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from orbit_runtime.int4.quantize import quantize_checkpoint
-    from orbit_runtime.int4.schemes import W4A16Int
-
-    config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-                         num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 256), max_position_embeddings=4096,
-                         tie_word_embeddings=True)  # fmt: skip
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config).to(torch.bfloat16)
-    params = sum(p.numel() for p in model.parameters())
-    model.save_pretrained(tmp / "dense")
-    del model
-    quantize_checkpoint(tmp / "dense", tmp / "int4", W4A16Int(group_size=128))
-    return tmp / "int4", params
 
 
 def run_config(args: argparse.Namespace, model_dir: Path, tiny_dir: Path, config: str) -> dict:
@@ -219,7 +177,7 @@ def main() -> None:
     worst = max(abs(r[k]["median"] - 1) for r in results.values() for k in ("step_measured_over_planned", "total_measured_over_planned"))
     emit_json({
         "model_params": params, "shape": {k: getattr(args, k) for k in ("hidden", "intermediate", "layers", "vocab")},
-        "batch": {"prompts": args.prompts, "group": args.group, "prompt_tokens": list(PROMPT_LENGTHS), "completion_tokens": args.completion_tokens},
+        "batch": {"prompts": args.prompts, "group": args.group, "prompt_tokens": [32, LONGEST_PROMPT], "completion_tokens": args.completion_tokens},
         "repeats": args.repeats, "configs": results, "worst_median_error": round(worst, 3), "within_25_percent": worst <= 0.25,
     }, args.json)  # fmt: skip
 

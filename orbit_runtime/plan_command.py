@@ -221,11 +221,17 @@ def admission_check(spec, model_config: str | None, gpu: str | None, gpu_memory_
     neither --model-config nor the job names the model."""
     from orbit_operator.fit import job_architecture, plan_request
     from orbit_operator.settings import OperatorSettings
+    from orbit_runtime.plan.hardware import gpu_model
     from orbit_runtime.plan.job_fit import fit_job
 
     arch = _architecture(model_config) if model_config is not None else job_architecture(spec)
     if arch is None:
         return None
+    if gpu is not None:
+        try:
+            gpu_model(gpu)
+        except OrbitError as exc:
+            raise OrbitError(f"--gpu: {exc}") from None
     settings = OperatorSettings(max_gpus_per_node=max_gpus, node_gpu=gpu, node_gpu_memory_gib=gpu_memory_gib)
     return fit_job(arch, plan_request(spec, settings))
 

@@ -14,20 +14,17 @@ the same request with the base's real config.json.
 from __future__ import annotations
 
 from orbit_operator.job_spec import RLTrainingJobSpec
+from orbit_operator.quantity import parse_quantity
 from orbit_operator.settings import OperatorSettings
 from orbit_runtime.plan.architecture import Architecture, parse_architecture
 from orbit_runtime.plan.catalog import catalog_architecture
 from orbit_runtime.plan.hardware import GIB, gpu_from_node_selector
 from orbit_runtime.plan.job_fit import JobFit, fit_job
-from orbit_runtime.plan.request import NodeSpec, PlanRequest, RoleBudget, from_job_spec
-
-ROLES = ("rollout", "learner", "reference")
+from orbit_runtime.plan.request import ROLES, NodeSpec, PlanRequest, RoleBudget, from_job_spec
 
 
 def memory_bytes(quantity: str) -> int:
-    """A Kubernetes quantity (64Gi, 500M, 1.5e9) in bytes, as the API server reads it."""
-    from kubernetes.utils import parse_quantity
-
+    """A Kubernetes memory quantity (64Gi, 500M, 1.5e9) in bytes."""
     return int(parse_quantity(quantity))
 
 

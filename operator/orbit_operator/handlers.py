@@ -124,6 +124,8 @@ def reconcile(body: kopf.Body, logger: logging.Logger) -> None:
                     events = [e for e in events if e[1] != "PodCreated"]
             for type_, reason, message in events:
                 kopf.event(body, type=type_, reason=reason, message=message)
+                if reason == "DoesNotFit":  # posted once per verdict: at admission (no pod yet) or from the pod's prepare-base
+                    metrics.OPERATOR_DOES_NOT_FIT.labels("prepare_base" if decided.status.get("podName") else "admission").inc()
             old = {k: v for k, v in (job.get("status") or {}).items() if not k.startswith("kopf")}
             new = {k: v for k, v in decided.status.items() if not k.startswith("kopf")}
             if new != old:  # a quiet timer tick writes nothing

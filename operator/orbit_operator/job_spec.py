@@ -142,6 +142,15 @@ class RoleResources(Section):
         "overrides (ORBIT_ALLOW_IMAGE_OVERRIDE): a custom learner image would read the job's Secrets.",
     )  # fmt: skip
 
+    @field_validator("memory")
+    @classmethod
+    def validate_memory(cls, memory: str) -> str:
+        from orbit_operator.quantity import parse_quantity
+
+        if parse_quantity(memory) < 2**20:
+            raise ValueError(f"{memory!r} is less than 1Mi: memory is in bytes (e.g. 64Gi)")
+        return memory
+
 
 class PodResources(Section):
     rollout: RoleResources = Field(default_factory=lambda: RoleResources(gpus=1, cpu="8", memory="64Gi"))

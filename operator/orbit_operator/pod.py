@@ -45,6 +45,7 @@ from orbit_operator.crd import GROUP, KIND, VERSION
 from orbit_operator.fit import plan_request
 from orbit_operator.job_spec import RLTrainingJobSpec, RoleResources
 from orbit_operator.settings import OperatorSettings
+from orbit_runtime.errors import OrbitError
 
 BASE_MOUNT = "/base"  # the INT4 base, read-only, in every role
 CACHE_MOUNT = "/cache"  # the node's cache root, in prepare-base only
@@ -106,9 +107,18 @@ def build_configmap(name: str, namespace: str, spec: RLTrainingJobSpec, settings
         "data": {
             CONFIG_FILE: yaml.safe_dump(runtime_config(spec, settings), sort_keys=True),
             APPLIED_SPEC_FILE: json.dumps(spec.model_dump(mode="json"), sort_keys=True),
-            PLAN_FILE: plan_request(spec, settings).model_dump_json(),
+            **({PLAN_FILE: plan} if (plan := _plan_json(spec, settings)) else {}),
         },
     }
+
+
+def _plan_json(spec: RLTrainingJobSpec, settings: OperatorSettings) -> str | None:
+    """The job's plan request for prepare-base; None if it cannot be made (the planner never stops a pod:
+    prepare-base then warns that the job was not planned)."""
+    try:
+        return plan_request(spec, settings).model_dump_json()
+    except (OrbitError, ValueError):
+        return None
 
 
 def applied_spec(configmap: dict | None) -> RLTrainingJobSpec | None:

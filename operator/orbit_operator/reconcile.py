@@ -29,11 +29,12 @@ Lifecycle:
   the same checkpoints);
 - does it fit its node? Before the job ever starts, when it names its architecture
   (base.architecture / base.modelConfig) the operator plans it (orbit_operator.fit): a job
-  that cannot fit is Failed with reason DoesNotFit and the breakdown, no pod created (fixing
-  the spec starts it); one that fits records the plan's summary in status.plan. The first
-  pod's prepare-base plans again with the base's own config.json and fails the pod with
-  DoesNotFit, which ends the job (no retry: another pod would not fit either). Later pods
-  (retries, resumes) never enforce it: a running job is never refused by a stricter planner.
+  that cannot fit is Failed with reason DoesNotFit and the breakdown, no pod created; one
+  that fits records the plan's summary in status.plan. The first pod's prepare-base plans
+  again with the base's own config.json and fails the pod with DoesNotFit, which fails the
+  job the same way (no retry: another pod would not fit either). Either way the job never
+  ran, and an edit that makes it fit starts it. Later pods (retries, resumes) never enforce
+  the plan: a running job is never refused by a stricter planner.
 """
 
 from __future__ import annotations
@@ -102,8 +103,12 @@ def _flat(data: dict, prefix: str = "") -> dict:
     return out
 
 
+PLANNER_ONLY_FIELDS = ("base.architecture", "base.modelConfig")  # read by the admission plan only: the pod never changes
+
+
 def _spec_fields(spec: RLTrainingJobSpec) -> dict:
-    return _flat({k: v for k, v in spec.model_dump(mode="json").items() if k not in LIFECYCLE_FIELDS})
+    fields = _flat({k: v for k, v in spec.model_dump(mode="json").items() if k not in LIFECYCLE_FIELDS})
+    return {k: v for k, v in fields.items() if not k.startswith(PLANNER_ONLY_FIELDS)}
 
 
 def refused_changes(applied: RLTrainingJobSpec | None, spec: RLTrainingJobSpec) -> list[str]:
@@ -153,12 +158,14 @@ def plan(observed: Observed, settings: OperatorSettings) -> Plan:  # noqa: C901 
     events: list[tuple[str, str, str]] = []
     active = _active(observed.pods)
 
+    recorded_phase = old_phase  # what the status said: transitions are announced against it
+
     def finish(phase: str, result: Plan | None = None, **extra) -> Plan:
         status.update(phase=phase, conditions=conditions, **extra)
         result = result or Plan(status)
         result.status = status
-        if phase != old_phase:
-            events.append(("Warning" if phase == "Failed" else "Normal", phase, f"{old_phase or 'New'} -> {phase}"))
+        if phase != recorded_phase:
+            events.append(("Warning" if phase == "Failed" else "Normal", phase, f"{recorded_phase or 'New'} -> {phase}"))
         result.events = events + result.events
         return result
 
@@ -198,7 +205,7 @@ def plan(observed: Observed, settings: OperatorSettings) -> Plan:  # noqa: C901 
     if not status.get("startTime") and not active:
         try:
             fit = admission_fit(spec, settings)
-        except OrbitError as exc:  # e.g. a linear the group size cannot split: the planner cannot judge it
+        except (OrbitError, ValueError) as exc:  # e.g. a linear the group size cannot split: the planner cannot judge it
             fit, status["plan"] = None, f"not planned: {exc}"[:500]
         if fit is not None and not fit.fits:
             message = fit.message()[:1000]
@@ -281,11 +288,14 @@ def plan(observed: Observed, settings: OperatorSettings) -> Plan:  # noqa: C901 
         return finish("Succeeded", _ttl_plan({**status, "completionTime": stamp}, spec.ttlSecondsAfterFinished, now),
                       completionTime=stamp)  # fmt: skip
     if pod_phase == "Failed" and report and report.get("reason") == "DoesNotFit":
+        # only the first pod enforces the plan: the learner never ran, so the job counts as never started
+        # (an edit that makes it fit starts it, as after a refusal at admission) and its next pod gets a new name
         message = str(report.get("message", ""))[:1000]
         events.append(("Warning", "DoesNotFit", message))
         conditions = set_condition(conditions, "Failed", True, "DoesNotFit", message, stamp)
         conditions = set_condition(conditions, "Ready", False, "DoesNotFit", "the job cannot fit its node", stamp)
-        return finish("Failed", completionTime=stamp)
+        status.pop("startTime", None)
+        return finish("Failed", completionTime=stamp, attempt=attempt + 1)
     if pod_phase == "Failed":
         failures += 1
         reason = _failure_reason(pod)

@@ -43,8 +43,15 @@ OPERATOR_STATUS_POLL_FAILURES = Counter(
     "orbit_operator_status_poll_failures", "Learner /status polls that failed (the job's progress is then stale).",
     registry=OPERATOR_REGISTRY,
 )
+OPERATOR_DOES_NOT_FIT = Counter(
+    "orbit_operator_does_not_fit", "Jobs failed for not fitting their node (DoesNotFit), by where the plan said so: "
+    "admission (the operator, before any pod) or prepare_base (the first pod, with the base's config.json).", ["stage"],
+    registry=OPERATOR_REGISTRY,
+)
 for _outcome in ("ok", "invalid", "error"):
     OPERATOR_RECONCILES.labels(_outcome)
+for _stage in ("admission", "prepare_base"):
+    OPERATOR_DOES_NOT_FIT.labels(_stage)
 
 STEP_BUCKETS = (0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1200, 3600)
 FAST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)

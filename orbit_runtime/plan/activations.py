@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from orbit_runtime.plan.architecture import Architecture
-from orbit_runtime.plan.parameters import Linear, decoder_layer
+from orbit_runtime.plan.parameters import Linear, decoder_layer, widest_intermediate
 from orbit_runtime.plan.request import PlanRequest
 from orbit_runtime.plan.weights import DTYPE_BYTES, peft_targets
 
@@ -118,10 +118,9 @@ def layer_saved(arch: Architecture, index: int, request: PlanRequest, full_finet
 def backward_scratch(arch: Architecture) -> PerToken:
     """Gradients alive while one layer runs backward: the incoming and outgoing hidden gradients and
     those of its widest intermediate pair (gate and up, or the experts' slots)."""
-    per, moe = PerToken(), arch.moe
+    per = PerToken()
     per.add(2 * arch.hidden)
-    widest = max(arch.dense_width, moe.top_k * moe.expert_width if moe else 0, moe.shared_width if moe else 0)
-    per.add(2 * max(widest, arch.attention.q_width), split=True)
+    per.add(2 * max(widest_intermediate(arch), arch.attention.q_width), split=True)
     return per
 
 

@@ -89,6 +89,7 @@ class Architecture:
     layers: int
     dense_width: int  # intermediate size of the dense MLP layers
     tie_embeddings: bool
+    mlp_bias: bool  # Llama's mlp_bias: biases on the dense MLP's gate, up and down
     attention: Attention
     moe: MoE | None
     mtp_layers: int  # DeepSeek multi-token-prediction layers (stored in the checkpoint, not loaded by vLLM or the learner)
@@ -137,9 +138,9 @@ def _gqa(config: dict, source: str, model_type: str) -> Attention:
     if heads % kv_heads:
         raise PlanError(f"{source}: num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({kv_heads})")
     bias = _get(config, "attention_bias", source, default=False, kind=bool)
-    qkv_bias = True if model_type == "qwen2" else bias  # Qwen2 always has q/k/v biases, never an o_proj bias
-    return Attention("gqa", heads, kv_heads, head_dim=int(head_dim), qkv_bias=qkv_bias,
-                     o_bias=bias and model_type != "qwen2", qk_norm=model_type in ("qwen3", "qwen3_moe"))  # fmt: skip
+    qwen2 = model_type in ("qwen2", "qwen2_moe")  # always q/k/v biases, never an o_proj bias
+    return Attention("gqa", heads, kv_heads, head_dim=int(head_dim), qkv_bias=qwen2 or bias, o_bias=bias and not qwen2,
+                     qk_norm=model_type in ("qwen3", "qwen3_moe"))  # fmt: skip
 
 
 def _mla(config: dict, source: str) -> Attention:
@@ -162,7 +163,7 @@ def _moe(config: dict, source: str, model_type: str, layers: int) -> MoE:
         first_dense = _get(config, "first_k_dense_replace", source, default=0, minimum=0)
         every = _get(config, "moe_layer_freq", source, default=1)
         width = _get(config, "moe_intermediate_size", source)
-        shared = _get(config, "n_shared_experts", source, default=0, minimum=0) or 0
+        shared = _get({**config, "n_shared_experts": config.get("n_shared_experts") or 0}, "n_shared_experts", source, minimum=0)
         moe = MoE("deepseek", experts, top_k, width, tuple(i for i in range(layers) if i >= first_dense and i % every == 0),
                   shared_width=shared * width, correction_bias=config.get("topk_method") == "noaux_tc")  # fmt: skip
     else:  # qwen3_moe, qwen2_moe
@@ -198,6 +199,7 @@ def parse_architecture(config: Any, source: str) -> Architecture:
         # Mixtral has no dense MLP layer: its intermediate_size is the experts' width
         dense_width=0 if model_type == "mixtral" else _get(config, "intermediate_size", source),
         tie_embeddings=_get(config, "tie_word_embeddings", source, default=False, kind=bool),
+        mlp_bias=model_type == "llama" and _get(config, "mlp_bias", source, default=False, kind=bool),
         attention=attention,
         moe=moe,
         mtp_layers=_get(config, "num_nextn_predict_layers", source, default=0, minimum=0) if model_type in MLA_TYPES else 0,

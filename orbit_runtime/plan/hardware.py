@@ -18,6 +18,11 @@ GIB = 2**30
 USABLE_SHARE = 0.95
 
 
+def gib(value: int | float | None) -> str:
+    """Bytes as GiB for people: one decimal, thousands separated; '' for nothing."""
+    return "" if not value else f"{value / GIB:,.1f}"
+
+
 @dataclass(frozen=True)
 class GpuModel:
     name: str
@@ -36,7 +41,7 @@ GPUS = {
         GpuModel("H100", "80 GB HBM3 (H100 SXM)", 81559 * 2**20, ("NVIDIA-H100-80GB-HBM3", "NVIDIA-H100-SXM5-80GB")),
         GpuModel("H200", "141 GB HBM3e (H200 SXM)", 143771 * 2**20, ("NVIDIA-H200", "NVIDIA-H200-141GB-HBM3e")),
         GpuModel("B200", "180 GB HBM3e (DGX/HGX B200)", 183359 * 2**20, ("NVIDIA-B200",)),
-        GpuModel("MI300X", "192 GB HBM3", 196592 * 2**20, ("AMD_Instinct_MI300X", "AMD_Instinct_MI300X_OAM")),
+        GpuModel("MI300X", "192 GB HBM3", 196288 * 2**20, ("AMD_Instinct_MI300X", "AMD_Instinct_MI300X_OAM")),
     )
 }
 ALIASES = {"H100-80GB": "H100", "H100-SXM": "H100", "H200-141GB": "H200", "B200-180GB": "B200", "MI300X-192GB": "MI300X"}
@@ -91,22 +96,3 @@ class Node:
     @property
     def gpu_memory_known(self) -> bool:
         return self.gpus > 0 and self.usable_bytes > 0
-
-
-def make_node(gpu: str | None, gpus: int, gpu_memory_gib: float | None = None, host_memory_gib: float | None = None) -> Node:
-    """The node from `--gpu NAME --gpus N`, or `--gpu-memory-gib X` (one GPU's total memory, of which
-    USABLE_SHARE is planned with, as for the table's GPUs); gpu 'cpu': a CPU machine."""
-    host = int(host_memory_gib * GIB) if host_memory_gib else None
-    if gpu is not None and gpu.lower() == "cpu":
-        if host is None:
-            raise PlanError("--gpu cpu: give the machine's memory with --host-memory-gib")
-        return Node(0, host, "cpu", host, host)
-    if gpus < 1:
-        raise PlanError(f"--gpus must be >= 1, got {gpus}")
-    if gpu_memory_gib is not None:
-        if gpu_memory_gib <= 0:
-            raise PlanError(f"--gpu-memory-gib must be > 0, got {gpu_memory_gib}")
-        visible = int(gpu_memory_gib * GIB)
-        return Node(gpus, int(visible * USABLE_SHARE), f"{gpus} x {gpu_memory_gib:g} GiB GPU", visible, host)
-    model = gpu_model(gpu or "H200")
-    return Node(gpus, model.usable_bytes, f"{gpus} x {model.name}", model.visible_bytes, host)

@@ -14,17 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from orbit_runtime.plan.architecture import Architecture, PlanError
-from orbit_runtime.plan.hardware import GIB
-from orbit_runtime.plan.layouts import GpuGroup
+from orbit_runtime.plan.hardware import gib
+from orbit_runtime.plan.layouts import GpuGroup, rollout_usable
 from orbit_runtime.plan.planner import Plan, make_plan
 from orbit_runtime.plan.request import PlanRequest, RoleBudget
 from orbit_runtime.plan.roles import host_bytes, learner_rows, reference_rows, rollout_rows
 
 UNLIMITED = 1 << 62  # a container without a memory limit
-
-
-def _gib(value: int) -> str:
-    return f"{value / GIB:.1f}"
 
 
 @dataclass
@@ -45,7 +41,7 @@ class JobFit:
 
     def summary(self) -> str:
         """One line for the job's status: each GPU or container, what it needs of what it has."""
-        parts = [f"{self._where(g, short=True)} {_gib(g.total)}/{_gib(g.usable)} GiB" for g in self.groups if g.usable < UNLIMITED]
+        parts = [f"{self._where(g, short=True)} {gib(g.total)}/{gib(g.usable)} GiB" for g in self.groups if g.usable < UNLIMITED]
         tightest = max((g for g in self.groups if g.usable < UNLIMITED), key=lambda g: g.load, default=None)
         line = ("fits: " if self.fits else "does not fit: ") + ", ".join(parts or ["nothing limited"])
         if tightest is not None:
@@ -60,15 +56,16 @@ class JobFit:
         for group in self.groups:
             if group.fits:
                 continue
-            rows = ", ".join(f"{k} {_gib(v)}" for k, v in sorted(group.counted().items(), key=lambda kv: -kv[1]) if v)
-            lines.append(f"{self._where(group)} needs {_gib(group.total)} GiB of {_gib(group.usable)} GiB ({rows})")
+            rows = ", ".join(f"{k} {gib(v)}" for k, v in sorted(group.counted().items(), key=lambda kv: -kv[1]) if v)
+            share = " (vLLM's gpu_memory_utilization of each GPU)" if group.gpus and "rollout" in group.roles else ""
+            lines.append(f"{self._where(group)} needs {gib(group.total)} GiB of {gib(group.usable)} GiB{share} ({rows})")
         others = []
         for name, layout in self.plan.layouts.items():
             if layout.applicable and layout.fits and layout.groups and name != "full_finetune":
                 tight = layout.tightest
                 what = {"separate": f"separate copies split {layout.split}",
                         "shared": "one shared copy (placement colocated, being built)"}[name]  # fmt: skip
-                others.append(f"{what} would fit ({_gib(tight.total)} of {_gib(tight.usable)} GiB on its fullest GPU)")
+                others.append(f"{what} would fit ({gib(tight.total)} of {gib(tight.usable)} GiB on its fullest GPU)")
         if others and not self.plan.node.is_cpu:
             lines.append(f"on {self.plan.node.name}: " + "; ".join(others))
         return "; ".join(lines)
@@ -95,7 +92,8 @@ def fit_job(arch: Architecture, request: PlanRequest) -> JobFit:
             groups.append(_gpu_group(name, 0, cpu_rows, limit(name)))
             return
         if node.gpu_memory_known:
-            groups.append(_gpu_group(name, gpus, gpu_rows, node.usable_bytes))  # type: ignore[arg-type]
+            usable = rollout_usable(node, request) if name == "rollout" else node.usable_bytes
+            groups.append(_gpu_group(name, gpus, gpu_rows, usable))  # type: ignore[arg-type]
         else:
             unjudged.append(name)
         groups.append(GpuGroup((name,), 0, {"host_memory": host_bytes(name, base, request)}, limit(name)))

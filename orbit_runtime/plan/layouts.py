@@ -31,6 +31,14 @@ from orbit_runtime.plan.roles import (
 from orbit_runtime.plan.weights import BaseWeights
 
 MAX_NODES = 256
+VLLM_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default share of each GPU
+
+
+def rollout_usable(node: Node, request: PlanRequest) -> int:
+    """What vLLM may use of one of its own GPUs: rollout.gpu_memory_utilization (vLLM's 0.9 by default) of
+    the GPU's memory, never more than the planner's usable share."""
+    share = request.gpu_memory_utilization or VLLM_GPU_MEMORY_UTILIZATION
+    return min(node.usable_bytes, int(share * node.visible_bytes)) if node.visible_bytes else node.usable_bytes
 
 
 @dataclass
@@ -93,14 +101,21 @@ class LayoutPlan:
         return self.tightest.binding if self.applicable else "not_applicable"
 
 
-def valid_shards(arch: Architecture, n: int) -> bool:
-    """Can vLLM split this model n ways (heads, KV heads, MLP and expert widths divisible)?"""
-    a, moe = arch.attention, arch.moe
+def valid_shards(arch: Architecture, base: BaseWeights, n: int) -> bool:
+    """Can vLLM split this model n ways? Heads (and KV heads, or n a multiple of them) divide; every
+    tensor-parallel linear's split dimension divides, and for an INT4 row-parallel linear (o_proj,
+    down_proj, w2: its input is split) each rank's slice holds whole scale groups, as vLLM's INT4
+    kernels require (Qwen3-235B's 1,536-wide experts do not split 8 ways at group 128)."""
+    a = arch.attention
     if a.heads % n or (a.kind == "gqa" and a.kv_heads % n and n % a.kv_heads):
         return False
-    if arch.dense_width and arch.dense_width % n:
-        return False
-    return moe is None or moe.expert_width % n == 0
+    for suffix, in_features, out_features, int4 in base.split_shapes:
+        if suffix in ("o_proj", "down_proj", "w2"):
+            if in_features % n or (int4 and (in_features // n) % base.group_size):
+                return False
+        elif out_features % n and suffix not in ("k_proj", "v_proj"):
+            return False
+    return True
 
 
 def _sum_rows(*row_sets: dict[str, int]) -> dict[str, int]:
@@ -131,30 +146,30 @@ def separate_layout(arch: Architecture, base: BaseWeights, request: PlanRequest,
         return LayoutPlan("separate", [GpuGroup(("rollout", "learner", *(("reference",) if server else ())), 1, _sum_rows(*rows),
                                                 node.usable_bytes)], {"rollout": 1, "learner": 1, "reference": int(server)},
                           notes, host=_host(base, request, server))  # fmt: skip
-    candidates = [split] if split is not None else _splits(arch, request, node.gpus, server)
+    candidates = [split] if split is not None else _splits(arch, base, request, node.gpus, server)
     plans = [_separate(arch, base, request, node, s) for s in candidates]
     if not plans:
         return LayoutPlan("separate", [], {}, [f"{node.gpus} GPUs cannot be split into rollout, learner"
                                                + (" and reference" if server else "")], applicable=False)  # fmt: skip
     best = min(plans, key=lambda p: (not p.fits, p.tightest.load, -sum(p.split.values())))
     idle = node.gpus - sum(best.split.values())
-    if idle and split is None:
+    if idle and split is None and best.fits:
         best.notes.append(f"{idle} GPU(s) idle: no larger split of this model's heads and widths helps")
     if not request.learner_sharded:
         best.notes.append("the learner on one device, as today's learner computes (--sharded-learner plans it sharded)")
     return best
 
 
-def _splits(arch: Architecture, request: PlanRequest, gpus: int, server: bool) -> list[dict[str, int]]:
+def _splits(arch: Architecture, base: BaseWeights, request: PlanRequest, gpus: int, server: bool) -> list[dict[str, int]]:
     """Every (rollout, learner, reference) split vLLM and the learner can use; GPUs left over stay idle.
     A one-device learner (today's) takes one GPU."""
     reference = 1 if server else 0
     out = []
     for rollout in range(1, gpus - reference):
-        if not valid_shards(arch, rollout):
+        if not valid_shards(arch, base, rollout):
             continue
         left = gpus - rollout - reference
-        learners = [n for n in range(1, left + 1) if valid_shards(arch, n)] if request.learner_sharded else [1]
+        learners = [n for n in range(1, left + 1) if valid_shards(arch, base, n)] if request.learner_sharded else [1]
         out += [{"rollout": rollout, "learner": n, "reference": reference} for n in learners]
     return out
 
@@ -166,15 +181,18 @@ def _host(base: BaseWeights, request: PlanRequest, server: bool) -> dict[str, in
 
 def _separate(arch: Architecture, base: BaseWeights, request: PlanRequest, node: Node, split: dict[str, int]) -> LayoutPlan:
     tp = split["rollout"]
-    groups = [GpuGroup(("rollout",), tp, rollout_rows(arch, base, request.model_copy(update={"tensor_parallel_size": tp}), tp),
-                       node.usable_bytes)]  # fmt: skip
+    groups: list[GpuGroup] = [GpuGroup(("rollout",), tp, rollout_rows(arch, base, request.model_copy(update={"tensor_parallel_size": tp}), tp),
+                       rollout_usable(node, request))]  # fmt: skip
     learner_shards = split["learner"] if request.learner_sharded else 1
     if split["learner"]:
         groups.append(GpuGroup(("learner",), split["learner"], learner_rows(arch, base, request, learner_shards), node.usable_bytes))
     server = request.reference_mode == "server"
     if server and split.get("reference"):
         groups.append(GpuGroup(("reference",), split["reference"], reference_rows(arch, base, request), node.usable_bytes))
-    return LayoutPlan("separate", groups, dict(split), host=_host(base, request, server))
+    host = _host(base, request, server)
+    if node.host_bytes:  # the machine's memory is known: the roles' loading must fit it together
+        groups.append(GpuGroup(("host",), 0, {"host_memory": sum(host.values())}, node.host_bytes))
+    return LayoutPlan("separate", groups, dict(split), host=host)
 
 
 def shared_layout(arch: Architecture, base: BaseWeights, request: PlanRequest, node: Node) -> LayoutPlan:
@@ -182,7 +200,7 @@ def shared_layout(arch: Architecture, base: BaseWeights, request: PlanRequest, n
     if node.is_cpu:
         return LayoutPlan("shared", [], {}, ["the colocated placement shares GPU memory; on a CPU machine it is not planned"],
                           applicable=False)  # fmt: skip
-    n = max(k for k in range(1, node.gpus + 1) if valid_shards(arch, k))
+    n = max(k for k in range(1, node.gpus + 1) if valid_shards(arch, base, k))
     computed = request.model_copy(update={"learner_dtype": request.dtype, "tensor_parallel_size": n})
     rollout = rollout_rows(arch, base, computed, n)
     learner = learner_rows(arch, base, computed, n)

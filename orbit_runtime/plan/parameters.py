@@ -39,10 +39,12 @@ class Linear:
         return self.count * (self.in_features * self.out_features + (self.out_features if self.bias else 0))
 
 
-def _mlp(prefix: str, hidden: int, width: int, kind: Kind, names=("gate_proj", "up_proj", "down_proj"), count: int = 1) -> list[Linear]:
+def _mlp(prefix: str, hidden: int, width: int, kind: Kind, names=("gate_proj", "up_proj", "down_proj"), count: int = 1,
+         bias: bool = False) -> list[Linear]:  # fmt: skip
     gate, up, down = names
-    return [Linear(f"{prefix}.{gate}", hidden, width, kind, count=count), Linear(f"{prefix}.{up}", hidden, width, kind, count=count),
-            Linear(f"{prefix}.{down}", width, hidden, kind, count=count)]  # fmt: skip
+    return [Linear(f"{prefix}.{gate}", hidden, width, kind, count=count, bias=bias),
+            Linear(f"{prefix}.{up}", hidden, width, kind, count=count, bias=bias),
+            Linear(f"{prefix}.{down}", width, hidden, kind, count=count, bias=bias)]  # fmt: skip
 
 
 def _attention(arch: Architecture, prefix: str) -> list[Linear]:
@@ -69,7 +71,7 @@ def _attention(arch: Architecture, prefix: str) -> list[Linear]:
 def _layer_mlp(arch: Architecture, index: int, prefix: str) -> list[Linear]:
     moe, h = arch.moe, arch.hidden
     if moe is None or index not in moe.layers:
-        return _mlp(f"{prefix}.mlp", h, arch.dense_width, "dense_mlp")
+        return _mlp(f"{prefix}.mlp", h, arch.dense_width, "dense_mlp", bias=arch.mlp_bias)
     if moe.naming == "mixtral":
         block = f"{prefix}.block_sparse_moe"
         return [Linear(f"{block}.gate", h, moe.experts, "router", shard="replicated"),
@@ -97,6 +99,13 @@ def model_linears(arch: Architecture) -> list[Linear]:
     if not arch.tie_embeddings:
         out.append(Linear("lm_head", arch.hidden, arch.vocab, "lm_head"))
     return out
+
+
+def widest_intermediate(arch: Architecture) -> int:
+    """The widest MLP intermediate a token goes through in one layer: the dense MLP, its top_k routed
+    experts' slots together, or the shared expert (scratch and gradient sizes are in its multiples)."""
+    moe = arch.moe
+    return max(arch.dense_width, moe.top_k * moe.expert_width if moe else 0, moe.shared_width if moe else 0)
 
 
 def layer_norm_params(arch: Architecture) -> int:

@@ -64,8 +64,9 @@ def learner_step(arch: Architecture, request: PlanRequest, first: bool) -> StepP
 
     The step snapshot comes first, the gradients build up in backward while activations and logits
     live, AdamW updates after them. FIRST (a fresh run's first step): AdamW allocates its moments in
-    its update, after the logits are gone, and the snapshot holds only the adapter's weights; later the
-    moments exist before the step (not added by it) and the snapshot copies them too."""
+    its first update, after the logits are gone (with several optimizer steps a batch, the later
+    minibatches' activations and logits then meet them), and the snapshot holds only the adapter's
+    weights; later the moments exist before the step (not added by it) and the snapshot copies them too."""
     update = update_memory(arch, request)
     adapter = lora_params(model_linears(arch), request)
     rows = {"activations": update.activations, "logits": update.logits, "lora_gradients": 4 * adapter,
@@ -73,5 +74,7 @@ def learner_step(arch: Architecture, request: PlanRequest, first: bool) -> StepP
     held = rows["lora_gradients"] + rows["step_snapshot"]
     if first:
         rows["optimizer_state"] = 8 * adapter
+        if request.optimizer_steps > 1:
+            return StepPlan(rows, held + rows["optimizer_state"] + update.activations + update.logits)
         return StepPlan(rows, held + max(update.activations + update.logits, rows["optimizer_state"]))
     return StepPlan(rows, held + update.activations + update.logits)

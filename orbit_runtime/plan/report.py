@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from orbit_runtime.plan.activations import micro_batch, update_memory
-from orbit_runtime.plan.hardware import GIB, USABLE_SHARE
+from orbit_runtime.plan.hardware import USABLE_SHARE, gib
 from orbit_runtime.plan.layouts import GpuGroup, LayoutPlan
 from orbit_runtime.plan.planner import LAYOUTS, Plan
 
@@ -72,10 +72,6 @@ def plan_json(plan: Plan) -> dict:
     return doc
 
 
-def _gib(value: int | None) -> str:
-    return "" if not value else f"{value / GIB:,.1f}"
-
-
 def _columns(plan: Plan) -> list[tuple[str, LayoutPlan, GpuGroup]]:
     out = []
     for name in LAYOUTS:
@@ -103,8 +99,8 @@ def render(plan: Plan, console) -> None:
     console.print(f"job: {r.prompts} prompts x {r.group} = {r.samples} samples of {r.prompt_tokens} + {r.completion_tokens} tokens; "
                   f"micro-batch {mb.rows} sequences ({mb.tokens:,} tokens), gradient checkpointing "
                   f"{'on' if r.gradient_checkpointing else 'off'}, learner {r.learner_dtype}, vLLM {r.dtype}, reference {r.reference_mode}")  # fmt: skip
-    console.print(f"node: {plan.node.name}, {_gib(plan.node.usable_bytes)} GiB usable a GPU ({USABLE_SHARE:.0%} of "
-                  f"{_gib(plan.node.visible_bytes)} GiB)")  # fmt: skip
+    console.print(f"node: {plan.node.name}, {gib(plan.node.usable_bytes)} GiB usable a GPU ({USABLE_SHARE:.0%} of "
+                  f"{gib(plan.node.visible_bytes)} GiB)")  # fmt: skip
     columns = _columns(plan)
     table = Table(title="GiB per GPU (rows in parentheses take turns with others: not in the peak)")
     table.add_column("row")
@@ -116,24 +112,30 @@ def render(plan: Plan, console) -> None:
         for _, _, group in columns:
             value = group.rows.get(row)
             counted = row in group.counted()
-            cells.append(_gib(value) if counted else (f"({_gib(value)})" if value else ""))
+            cells.append(gib(value) if counted else (f"({gib(value)})" if value else ""))
         table.add_row(ROW_LABELS[row], *cells)
-    table.add_row("[bold]peak[/]", *[f"[bold]{_gib(g.total)}[/]" for _, _, g in columns])
-    table.add_row("usable", *[_gib(g.usable) for _, _, g in columns])
+    table.add_row("[bold]peak[/]", *[f"[bold]{gib(g.total)}[/]" for _, _, g in columns])
+    table.add_row("usable", *[gib(g.usable) for _, _, g in columns])
     table.add_row("fits", *[("yes" if g.fits else f"[red]no: {g.binding}[/]") for _, _, g in columns])
     console.print(table)
+    update = update_memory(plan.arch, r)
+    console.print(f"the learner's micro-batch on one device: activations {gib(update.activations_with_checkpointing)} GiB with "
+                  f"gradient checkpointing, {gib(update.activations_without_checkpointing)} GiB without; logits "
+                  f"{gib(update.logits)} GiB over the full vocabulary, {gib(update.logits_chunked)} GiB if chunked by "
+                  "1,024 tokens (Orbit does not chunk)")  # fmt: skip
     for name in LAYOUTS:
         layout = plan.layouts[name]
         verdict = "fits" if layout.fits else f"does not fit (binding: {layout.binding})"
         extra = ""
         if name == "full_finetune":
             nodes = "more than 256" if layout.nodes is None else str(layout.nodes)
-            extra = f"; needs {nodes} such nodes ({plan.nodes_bf16_state or 'more than 256'} with bf16 AdamW moments and no fp32 master)"
+            extra = (f"; needs {nodes} node(s) of this kind ({plan.nodes_bf16_state or 'more than 256'} with bf16 AdamW moments "
+                     "and no fp32 master)")  # fmt: skip
         elif layout.split:
             extra = f"; split {layout.split}"
         console.print(f"[bold]{name}[/]: {verdict}{extra}")
         for note in layout.notes:
             console.print(f"  - {note}")
         if layout.host:
-            console.print("  - host memory to load: " + ", ".join(f"{k} {_gib(v)} GiB" for k, v in layout.host.items()))
+            console.print("  - host memory to load: " + ", ".join(f"{k} {gib(v)} GiB" for k, v in layout.host.items()))
     console.print(f"recommended: {plan.recommended or 'no layout fits this node'}")

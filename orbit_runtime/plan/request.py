@@ -27,7 +27,7 @@ class Frozen(BaseModel):
 class NodeSpec(Frozen):
     """GPUS GPUs of a table model (`gpu`) or of `gpu_memory_bytes` total each; 0 GPUs: the CPU."""
 
-    gpus: int = Field(8, ge=0, le=64)
+    gpus: int = Field(8, ge=0, le=1024)
     gpu: str | None = Field(None, description="A GPU of the planner's table (H100, H200, B200, MI300X); with neither this "
                             "nor gpu_memory_bytes the GPUs' memory is unknown and only host memory is planned.")
     gpu_memory_bytes: int | None = Field(None, gt=0, description="One GPU's total memory, when it is not in the table.")
@@ -77,10 +77,12 @@ class PlanRequest(Frozen):
         "today's learner computes on one device."
     )
     reference_mode: Literal["shared", "server"] = "shared"
+    optimizer_steps: int = Field(1, ge=1, description="AdamW steps a batch (algorithm.minibatches x epochs_per_batch).")
     # the rollout
     dtype: Dtype = "bf16"
     tensor_parallel_size: int = Field(1, ge=1)
     max_num_seqs: int | None = Field(None, ge=1)
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1, description="vLLM's share of each of its GPUs (None: 0.9).")
     prefix_caching: bool | None = None
     max_model_len: int = Field(512, ge=1)
     cpu_kv_cache_gib: int = Field(1, ge=1, description="vLLM's CPU build allocates this much KV cache up front.")
@@ -113,7 +115,9 @@ def from_job_spec(spec: JobSpec, **changes) -> PlanRequest:
         micro_batch_tokens=spec.learner.micro_batch_tokens, micro_batch_size=spec.learner.micro_batch_size,
         gradient_checkpointing=spec.learner.gradient_checkpointing,
         learner_dtype=spec.model.learner_dtype or spec.model.dtype, dtype=spec.model.dtype, reference_mode=spec.reference.mode,
+        optimizer_steps=spec.algorithm.minibatches * spec.algorithm.epochs_per_batch,
         tensor_parallel_size=rollout.tensor_parallel_size, max_num_seqs=rollout.max_num_seqs,
+        gpu_memory_utilization=rollout.gpu_memory_utilization,
         prefix_caching=rollout.enable_prefix_caching, max_model_len=rollout.max_model_len, cpu_kv_cache_gib=rollout.kv_cache_gib,
     )  # fmt: skip
     return PlanRequest(**{**fields, **changes})

@@ -24,7 +24,7 @@ import math
 from orbit_runtime.plan.activations import UpdateMemory, scoring_memory, update_memory
 from orbit_runtime.plan.architecture import Architecture
 from orbit_runtime.plan.hardware import GIB
-from orbit_runtime.plan.parameters import model_linears
+from orbit_runtime.plan.parameters import model_linears, widest_intermediate
 from orbit_runtime.plan.request import PlanRequest
 from orbit_runtime.plan.weights import DTYPE_BYTES, LEARNER_LORA_BYTES, BaseWeights, lora_params, vllm_lora_bytes
 
@@ -64,9 +64,8 @@ def kv_tokens(request: PlanRequest) -> int:
 def rollout_scratch(arch: Architecture, request: PlanRequest, gpus: int, cpu: bool) -> int:
     """vLLM's forward scratch (assumed shape): the batched tokens through the widest layer, and the sampler."""
     tokens = request.max_model_len if cpu else VLLM_BATCHED_TOKENS_GPU
-    moe, a, n = arch.moe, arch.attention, max(gpus, 1)
-    widest = max(arch.dense_width, moe.top_k * moe.expert_width if moe else 0, moe.shared_width if moe else 0)
-    per_token = 4 * arch.hidden + (a.q_width + 2 * a.kv_width + a.out_width) / n + 3 * widest / n
+    a, n = arch.attention, max(gpus, 1)
+    per_token = 4 * arch.hidden + (a.q_width + 2 * a.kv_width + a.out_width) / n + 3 * widest_intermediate(arch) / n
     sequences = request.max_num_seqs or (request.samples if cpu else VLLM_MAX_SEQS_GPU)
     return int(tokens * per_token * DTYPE_BYTES[request.dtype] + 3 * 4 * sequences * arch.vocab / n)
 
@@ -85,7 +84,7 @@ def learner_rows(arch: Architecture, base: BaseWeights, request: PlanRequest, gp
     int4, dense = base.on_gpu(gpus, request.learner_dtype)
     update = update_memory(arch, request, gpus)
     return {"base_int4": int4, "base_16bit": dense,
-            "lora": LEARNER_LORA_BYTES * lora_params(model_linears(arch), request, gpus),
+            "lora": LEARNER_LORA_BYTES * lora_params(model_linears(arch), request, gpus, base.kv_heads),
             "activations": update.activations, "logits": update.logits,
             "runtime": (CPU_RUNTIME if cpu else GPU_RUNTIME)["learner"]}  # fmt: skip
 

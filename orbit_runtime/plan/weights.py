@@ -44,7 +44,7 @@ def quantization_of(arch: Architecture, request: PlanRequest) -> Quantization:
             raise PlanError(f"{arch.source}: quantization_config is not one group of 4-bit per-group weights ({weights})")
         return Quantization(int(weights["group_size"]), request.scale_dtype, tuple(qc.get("ignore") or ()),
                             "the checkpoint's quantization_config")  # fmt: skip
-    ignore = request.ignore if request.ignore is not None else (*DEFAULT_IGNORE, "lm_head")
+    ignore = request.ignore if request.ignore is not None else DEFAULT_IGNORE
     source = "orbit quantize" + ("" if request.ignore is None else " with the given --ignore")
     if qc:
         source += f" (replacing the checkpoint's {qc.get('quant_method')} quantization)"
@@ -66,6 +66,8 @@ class BaseWeights:
     int4_params: int
     dense_params: int
     kv_heads: int
+    group_size: int
+    split_shapes: tuple[tuple[str, int, int, bool], ...]  # (suffix, in, out, INT4) of each distinct tensor-parallel linear
 
     def on_gpu(self, gpus: int, dtype: str, scale_dtype: str | None = None) -> tuple[int, int]:
         """(INT4 bytes, 16-bit bytes) on one of GPUS GPUs, 16-bit parts in DTYPE. Scales are in the
@@ -89,8 +91,11 @@ def base_weights(arch: Architecture, quantization: Quantization) -> BaseWeights:
     scales: dict[str, int] = defaultdict(int)
     dense: dict[str, int] = defaultdict(int)
     int4_params = dense_params = 0
+    shapes = set()
     for linear in model_linears(arch):
         weights = linear.count * linear.in_features * linear.out_features
+        if linear.shard == "split" and linear.kind != "lm_head":
+            shapes.add((linear.suffix, linear.in_features, linear.out_features, is_int4(linear, quantization)))
         if linear.bias:
             dense[linear.shard] += linear.count * linear.out_features
         if is_int4(linear, quantization):
@@ -108,7 +113,8 @@ def base_weights(arch: Architecture, quantization: Quantization) -> BaseWeights:
     moe = arch.moe
     fp32 = moe.experts * len(moe.layers) if moe is not None and moe.correction_bias else 0
     kv_heads = arch.attention.kv_heads if arch.attention.kind == "gqa" else arch.attention.heads
-    return BaseWeights(dict(packed), dict(scales), dict(dense), fp32, int4_params, dense_params + arch.vocab * arch.hidden, kv_heads)
+    return BaseWeights(dict(packed), dict(scales), dict(dense), fp32, int4_params, dense_params + arch.vocab * arch.hidden, kv_heads,
+                       quantization.group_size, tuple(sorted(shapes)))  # fmt: skip
 
 
 def peft_targets(linear: Linear, request: PlanRequest) -> bool:
@@ -119,12 +125,12 @@ def peft_targets(linear: Linear, request: PlanRequest) -> bool:
     return any(linear.name == t or linear.name.endswith("." + t) for t in request.targets)
 
 
-def lora_params(linears: list[Linear], request: PlanRequest, gpus: int = 1) -> int:
-    """Adapter parameters (A: r x in, B: out x r per wrapped linear), on one of GPUS shards."""
+def lora_params(linears: list[Linear], request: PlanRequest, gpus: int = 1, kv_heads: int = 1) -> int:
+    """Adapter parameters (A: r x in, B: out x r per wrapped linear), on one of GPUS shards (split as the linear is)."""
     total = 0
     for linear in linears:
         if peft_targets(linear, request):
-            total += linear.count * request.rank * (linear.in_features + linear.out_features) // (gpus if linear.shard != "replicated" else 1)
+            total += linear.count * request.rank * (linear.in_features + linear.out_features) // _divisor(linear.shard, gpus, kv_heads)
     return total
 
 

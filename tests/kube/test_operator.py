@@ -249,7 +249,7 @@ def test_a_job_that_cannot_fit_its_node_is_refused_with_the_breakdown_and_starts
     path = tmp_path / "too-big.yaml"
     path.write_text(yaml.safe_dump(job))
     job_path = KubeEmulator.path(RLJOBS, NS, "too-big")
-    with operator_process(kube, tmp_path / "operator.log", free_port("127.0.0.1")):
+    with operator_process(kube, tmp_path / "operator.log", free_port("127.0.0.1")) as proc:
         kube.kubectl("apply", "--validate=false", "-f", str(path))
         wait(kube, lambda: status(kube, job_path).get("phase") == "Failed", "refused")
         failed = next(c for c in status(kube, job_path)["conditions"] if c["type"] == "Failed")
@@ -259,6 +259,9 @@ def test_a_job_that_cannot_fit_its_node_is_refused_with_the_breakdown_and_starts
         wait(kube, lambda: any(e["reason"] == "DoesNotFit" and e["type"] == "Warning" for e in kube.events(involved_name="too-big")),
              "a DoesNotFit event")  # fmt: skip
         assert not [p for p in kube.list_pods(NS) if p["metadata"]["name"].startswith("too-big")]
+        metrics_port = proc.env["ORBIT_METRICS_PORT"]
+        scraped = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics").text
+        assert 'orbit_operator_does_not_fit_total{stage="admission"} 1.0' in scraped, scraped
         # `orbit validate` says the same before anything is applied
         check = subprocess.run([sys.executable, "-m", "orbit_runtime.cli", "validate", str(path)], capture_output=True, text=True,
                                cwd=REPO_ROOT)  # fmt: skip

@@ -51,10 +51,15 @@ def test_a_job_that_cannot_fit_is_refused_before_any_pod_naming_what_binds():
     assert "learner on 1 x H200 needs 376.0 GiB of 133.4 GiB (base_int4 321.3, activations 25.7, logits 23.7" in failed["message"]
     assert ("Warning", "DoesNotFit", failed["message"]) in decided.events
     assert decided.status["plan"].startswith("does not fit: rollout 4xH200")
-    # the next reconcile (no edit: not planned again): still refused, the event is not posted again
+    # the next reconcile (no edit: not planned again): still refused, no event posted again
     again = plan(Observed(gpu_job(status=decided.status), [], None, T0), SETTINGS)
-    assert again.create_pod is None and again.status["phase"] == "Failed"
-    assert not [e for e in again.events if e[1] == "DoesNotFit"]
+    assert again.create_pod is None and again.status["phase"] == "Failed" and not again.events
+    # an edit that still does not fit: planned again, refused again, announced once more only if the verdict changed
+    edited = gpu_job(status=decided.status, adapter={"rank": 16, "alpha": 32})
+    edited["metadata"]["generation"] = 2
+    still = plan(Observed(edited, [], None, T0), SETTINGS)
+    assert still.status["phase"] == "Failed" and not [e for e in still.events if e[1] == "Failed"]  # no "New -> Failed"
+    assert [e[1] for e in still.events] == ["DoesNotFit"]  # the breakdown changed (another adapter)
 
 
 def test_fixing_a_refused_job_starts_it_with_the_plan_in_status():
@@ -96,8 +101,14 @@ def test_prepare_base_does_not_fit_ends_the_job_without_retries():
     failed = condition(decided.status, "Failed")
     assert failed["reason"] == "DoesNotFit" and failed["message"] == report["message"]
     assert decided.status["plan"] == report["plan"] and ("Warning", "DoesNotFit", report["message"]) in decided.events
-    terminal = plan(Observed(gpu_job("qwen3-8b", gpus=1, status=decided.status), [refused], configmap(job), T0), SETTINGS)
-    assert terminal.status["phase"] == "Failed" and terminal.create_pod is None  # it started: refused for good
+    again = plan(Observed(gpu_job("qwen3-8b", gpus=1, status=decided.status), [refused], configmap(job), T0), SETTINGS)
+    assert again.status["phase"] == "Failed" and again.create_pod is None and not again.events  # no edit: it stays refused
+    # the learner never ran: an edit (more memory) starts it, with a new pod that plans again
+    edited = gpu_job("qwen3-8b", gpus=1, status=decided.status)
+    edited["metadata"]["generation"] = 2
+    fixed = plan(Observed(edited, [refused], configmap(job), T0), SETTINGS)
+    assert fixed.create_pod["metadata"]["name"] == "quickstart-cpu-1" and "--enforce-fit" in prepare_base_command(fixed)
+    assert not [c for c in fixed.status["conditions"] if c["type"] == "Failed"] and fixed.status["phase"] == "Pending"
 
 
 def test_a_running_job_is_never_refused_by_a_stricter_plan():
@@ -111,6 +122,8 @@ def test_a_running_job_is_never_refused_by_a_stricter_plan():
     stricter = gpu_job("deepseek-v3", gpus=1, status=status)  # now names a model that cannot fit, while it runs
     decided = plan(Observed(stricter, [running], configmap(job), T0), SETTINGS)
     assert decided.status["phase"] == "Running" and not [c for c in decided.status["conditions"] if c["type"] == "Failed"]
+    # the architecture only feeds the plan: changing it while the job runs is no refused spec change
+    assert not [c for c in decided.status["conditions"] if c["type"] == "SpecChangeRefused"]
     assert decided.status["plan"] == report["plan"]  # what prepare-base found with the real base
 
 
@@ -137,3 +150,36 @@ def test_a_job_naming_no_architecture_is_planned_by_its_prepare_base_only():
     decided = plan(Observed(copy.deepcopy(JOB), [], None, T0), SETTINGS)
     assert decided.create_pod is not None and "plan" not in decided.status
     assert "--enforce-fit" in prepare_base_command(decided) and "plan.json" in decided.create_configmap["data"]
+
+
+def test_quantities_are_read_as_the_kubernetes_client_reads_them():
+    from kubernetes.utils import parse_quantity as kubernetes_parse
+
+    from orbit_operator.quantity import parse_quantity
+
+    for text in ("64Gi", "500M", "1.5e9", "250m", "8", "1.5Gi", "0.5Ki", "12E", "3e-3", "+4k", ".5G", "7Ti", "2E3"):
+        assert parse_quantity(text) == kubernetes_parse(text), text
+    for bad in ("1Q", "Gi", "1..2", ""):
+        try:
+            parse_quantity(bad)
+        except ValueError:
+            continue
+        raise AssertionError(f"{bad!r} was accepted")
+
+
+def test_memory_under_one_mebibyte_is_refused_naming_the_field():
+    bad = copy.deepcopy(JOB)
+    bad["spec"]["resources"]["learner"]["memory"] = "500m"
+    check = validate_job(bad)
+    assert not check.ok and any("spec.resources.learner.memory" in e and "less than 1Mi" in e for e in check.errors), check.errors
+
+
+def test_the_configmap_never_fails_because_of_the_planner():
+    """A setting the planner cannot take (a node of 2,000 GPUs) leaves plan.json out: prepare-base then warns."""
+    from orbit_operator.pod import build_configmap
+
+    spec = validate_job(gpu_job("qwen3-8b", gpus=1)).spec
+    data = build_configmap("j", "default", spec, OperatorSettings(max_gpus_per_node=2000))["data"]
+    assert "plan.json" not in data and "job.yaml" in data
+    assert "plan.json" in build_configmap("j", "default", spec, SETTINGS)["data"]
+

@@ -140,8 +140,20 @@ def test_deepseek_v3_int4_on_8_h200_which_layouts_fit_and_what_binds():
     # a group sharing its prompt) or the learner's checkpointed activations and logits, it peaks at 72.4 GB
     shared = doc["shared"]
     assert shared["fits"] and shared["binding"] == "base_int4"
-    assert shared["per_gpu_bytes"]["base_int4"] == pytest.approx(344.99e9 / 8, rel=0.02)
-    assert shared["total_bytes"] < usable / 1.9  # well inside: half the GPU is headroom
+    rows = shared["groups"][0]["per_gpu_bytes"]
+    # split 8 ways but for q_a, kv_a (0.92B weights) and their 7.2M scales, whole on every GPU:
+    # (344,986,954,752 - 461,733,888 - 2 x 7,214,592) / 8 + 476,163,072
+    assert rows["base_int4"] == (344_986_954_752 - 476_163_072) // 8 + 476_163_072 == 43_540_012_032
+    # KV: 16 prompts x 1,024 shared prompt tokens + 128 x 1,024 completion tokens = 147,456 tokens x 61 layers x
+    # (512 + 64) x 2 bytes, whole on every rank (MLA)
+    assert rows["kv_cache"] == 147_456 * 61 * 576 * 2
+    # logits: 12 bytes x (16,384 - 8) positions x 129,280 / 8 (vocabulary-parallel)
+    assert rows["logits"] == 12 * 16_376 * 129_280 // 8
+    # activations: at least each layer's checkpointed input, 16,384 tokens x 61 x 7,168 x 2 bytes = 14.33 GB, whole on each GPU
+    assert 16_384 * 61 * 7168 * 2 < rows["activations"] < 16_384 * 61 * 7168 * 2 + 6e9
+    # the update (activations + logits, 22.5 GB) is the larger phase; the rollout's KV cache (10.4 GB) takes turns with it
+    assert set(shared["per_gpu_bytes"]) == {"base_int4", "base_16bit", "lora", "runtime", "activations", "logits"}
+    assert shared["total_bytes"] == sum(shared["per_gpu_bytes"].values()) < usable / 1.9  # half the GPU is headroom
     # full-parameter bf16 + AdamW: 16 bytes a parameter (bf16 weights and gradients, fp32 master + two moments)
     # x 671.03B = 10.74 TB, on 8 x 143.2 GB = 1.146 TB a node: the fp32 state alone (12 bytes x 671.03B / 8 =
     # 1,006.5 GB a GPU) binds. Nodes: 16 P / 8N + KV / N + 1.5 GiB <= 143.2 GB -> N >= 9.55: 10 nodes;
@@ -158,9 +170,48 @@ def test_separate_copies_fit_deepseek_once_the_learner_is_sharded_but_not_a_1t_m
     1,188 GB) exceed the node's 1,146 GB usable before any KV cache: only one shared copy fits."""
     deepseek = plan_json(make_plan(catalog_architecture("deepseek-v3"), deepseek_job(learner_sharded=True)))
     assert deepseek["separate"]["fits"] and deepseek["separate"]["split"] == {"rollout": 4, "learner": 4, "reference": 0}
+    rollout, learner = deepseek["separate"]["groups"][:2]
+    # each half holds a copy split 4 ways: (344,986,954,752 - 476,163,072) / 4 + 476,163,072 = 86.6 GB
+    assert rollout["per_gpu_bytes"]["base_int4"] == learner["per_gpu_bytes"]["base_int4"] == (344_986_954_752 - 476_163_072) // 4 + 476_163_072
+    assert rollout["usable_bytes"] == int(0.9 * 143771 * 2**20)  # vLLM takes its gpu_memory_utilization (0.9) of the GPU
+    assert rollout["peak_bytes"] < rollout["usable_bytes"] and learner["peak_bytes"] < learner["usable_bytes"]
     kimi = plan_json(make_plan(catalog_architecture("kimi-k2-thinking"), deepseek_job(learner_sharded=True)))
     assert not kimi["separate"]["fits"] and kimi["separate"]["binding"] == "base_int4"
     assert kimi["shared"]["fits"] and kimi["recommended"] == "shared"
+
+
+def test_vllm_splits_an_int4_model_only_where_each_rank_holds_whole_scale_groups():
+    """Qwen3-235B-A22B's experts are 1,536 wide: 8 ways at group 128 leaves 192 columns a rank (1.5 groups),
+    which vLLM's INT4 kernels refuse, so one shared copy uses 4 GPUs; at group 32 all 8."""
+    arch = catalog_architecture("qwen3-235b-a22b")
+    at_128 = plan_json(make_plan(arch, PlanRequest(group_size=128)))
+    assert at_128["shared"]["split"] == {"shared": 4} and any("4 stay idle" in n for n in at_128["shared"]["notes"])
+    assert plan_json(make_plan(arch, PlanRequest(group_size=32)))["shared"]["split"] == {"shared": 8}
+
+
+def test_a_rollout_must_fit_vllm_s_share_of_its_gpus():
+    """vLLM takes rollout.gpu_memory_utilization (0.9 by default) of each GPU, not the planner's 95%."""
+    arch = catalog_architecture("llama-3.1-70b")
+    request = PlanRequest(node=NodeSpec(gpus=2, gpu="H100"), prompts=64, group=8, prompt_tokens=1024, completion_tokens=1024,
+                          max_model_len=2048)  # fmt: skip
+    default = plan_json(make_plan(arch, request))["separate"]["groups"][0]
+    assert default["roles"] == ["rollout"] and default["usable_bytes"] == int(0.9 * 81559 * 2**20)
+    tight = plan_json(make_plan(arch, request.model_copy(update={"gpu_memory_utilization": 0.5})))["separate"]["groups"][0]
+    assert tight["usable_bytes"] == int(0.5 * 81559 * 2**20) and tight["fits"] is False
+
+
+def test_several_optimizer_steps_a_batch_meet_adamw_s_moments_in_the_first_step():
+    from orbit_runtime.plan.planner import learner_step
+
+    arch = catalog_architecture("qwen3-8b")
+    one = learner_step(arch, PlanRequest(rank=128), first=True)
+    four = learner_step(arch, PlanRequest(rank=128, optimizer_steps=4), first=True)
+    moments = one.rows["optimizer_state"]
+    held = one.rows["lora_gradients"] + one.rows["step_snapshot"]
+    assert one.peak == held + max(moments, one.rows["activations"] + one.rows["logits"])
+    assert four.peak == held + moments + one.rows["activations"] + one.rows["logits"]
+    later = learner_step(arch, PlanRequest(rank=128), first=False)
+    assert "optimizer_state" not in later.rows and later.rows["step_snapshot"] == 3 * one.rows["step_snapshot"]
 
 
 def test_json_has_the_documented_keys():
@@ -226,3 +277,53 @@ def test_the_planner_imports_no_torch_or_transformers():
     code = ("import sys, orbit_runtime.plan.planner, orbit_runtime.plan.job_fit, orbit_runtime.plan.report, orbit_runtime.plan.compare;"
             " bad = [m for m in ('torch', 'transformers', 'vllm', 'peft') if m in sys.modules]; assert not bad, bad")  # fmt: skip
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+SMALL = {  # every config type the planner reads, beyond the catalog's: small shapes, counted by transformers too
+    "qwen2_moe (shared expert with its gate, q/k/v biases, a dense layer)": {
+        "model_type": "qwen2_moe", "vocab_size": 1000, "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 128,
+        "shared_expert_intermediate_size": 384, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "num_experts": 8, "num_experts_per_tok": 2, "decoder_sparse_step": 1, "mlp_only_layers": [0]},
+    "qwen3_moe (every other layer sparse)": {
+        "model_type": "qwen3_moe", "vocab_size": 1000, "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 128,
+        "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "num_experts": 8,
+        "num_experts_per_tok": 2, "decoder_sparse_step": 2, "mlp_only_layers": []},
+    "deepseek_v2 (MLA without a q latent, greedy routing)": {
+        "model_type": "deepseek_v2", "vocab_size": 1000, "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 128,
+        "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": None, "kv_lora_rank": 64,
+        "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32, "n_routed_experts": 8, "n_shared_experts": 2,
+        "num_experts_per_tok": 2, "first_k_dense_replace": 1, "moe_layer_freq": 1, "topk_method": "greedy", "n_group": 1, "topk_group": 1},
+    "mistral": {"model_type": "mistral", "vocab_size": 1000, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 1},
+    "qwen2 with tied embeddings": {"model_type": "qwen2", "vocab_size": 1000, "hidden_size": 256, "intermediate_size": 512,
+                                   "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": True},
+    "llama with attention and MLP biases": {"model_type": "llama", "vocab_size": 1000, "hidden_size": 256, "intermediate_size": 512,
+                                            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                            "attention_bias": True, "mlp_bias": True},
+}  # fmt: skip
+
+
+def transformers_count(config: dict) -> int:
+    """Parameters (and non-rotary buffers: DeepSeek's fp32 routing bias) of transformers' own model of CONFIG, on the meta device."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = {k: v for k, v in config.items() if not k.startswith("_") and k not in ("quantization_config", "model_type")}
+    model_type = "deepseek_v3" if config["model_type"] == "kimi_k2" else config["model_type"]  # Kimi K2 is DeepSeek-V3's code
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **fields))
+    return sum(p.numel() for p in model.parameters()) + sum(b.numel() for n, b in model.named_buffers() if "inv_freq" not in n)
+
+
+@pytest.mark.parametrize("name", names())
+def test_catalog_counts_equal_transformers_own_models(name):
+    """Every parameter, exactly: the planner's count of each catalog config against transformers' model of it
+    (transformers builds no MTP layer; the planner counts it apart)."""
+    config = catalog_config(name)
+    assert count_parameters(parse_architecture(config, name)).total == transformers_count(config)
+
+
+@pytest.mark.parametrize("name", list(SMALL))
+def test_every_config_type_counts_as_transformers_does(name):
+    config = SMALL[name]
+    assert count_parameters(parse_architecture(config, name)).total == transformers_count(config)
