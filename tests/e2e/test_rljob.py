@@ -180,7 +180,8 @@ def test_job_trains_survives_role_deaths_resumes_and_exports_a_servable_adapter(
     assert _container(first, "prepare-base")["state"]["terminated"]["exitCode"] == 0
     # prepare-base planned the pod with the base's config.json: each CPU container's need of its memory limit
     assert cluster.status("job-a")["plan"].startswith("fits: rollout "), cluster.status("job-a")
-    assert "/4.0 GiB, reference " in cluster.status("job-a")["plan"] and "/2.0 GiB, learner " in cluster.status("job-a")["plan"]
+    plan = cluster.status("job-a")["plan"]  # e.g. "fits: rollout 2.5/4.0 GiB, learner 1.4/4.0 GiB, reference 0.8/2.0 GiB; ..."
+    assert ("/4.0 GiB, learner " in plan and "/4.0 GiB, reference " in plan and "/2.0 GiB; tightest" in plan), plan
     history = _cache_history(cluster, manifest)
     assert [h["action"] for h in history] == ["quantized"] and history[0]["source"] == f"s3://{cluster.bucket}/models/demo"
     # the S3 credentials reach the learner only (and prepare-base, through the base's own credentialsSecret)
