@@ -126,10 +126,9 @@ def _sum_rows(*row_sets: dict[str, int]) -> dict[str, int]:
     return out
 
 
-def separate_layout(arch: Architecture, base: BaseWeights, request: PlanRequest, node: Node,
-                    split: dict[str, int] | None = None) -> LayoutPlan:  # fmt: skip
-    """Each role its own copy of the base, on the best split of the node's GPUs (or SPLIT: rollout,
-    learner and reference GPUs, as given)."""
+def separate_layout(arch: Architecture, base: BaseWeights, request: PlanRequest, node: Node) -> LayoutPlan:
+    """Each role its own copy of the base, on the best split of the node's GPUs (a job's own split is
+    job_fit's)."""
     server = request.reference_mode == "server"
     notes = []
     if node.is_cpu:
@@ -138,7 +137,7 @@ def separate_layout(arch: Architecture, base: BaseWeights, request: PlanRequest,
             rows.append(reference_rows(arch, base, request, cpu=True))
         roles = ("rollout", "learner", *(("reference",) if server else ()))
         return LayoutPlan("separate", [GpuGroup(roles, 0, _sum_rows(*rows), node.usable_bytes)], {r: 0 for r in roles})
-    if node.gpus == 1 and split is None:
+    if node.gpus == 1:
         rows = [rollout_rows(arch, base, request, 1), learner_rows(arch, base, request)]
         if server:
             rows.append(reference_rows(arch, base, request))
@@ -146,14 +145,13 @@ def separate_layout(arch: Architecture, base: BaseWeights, request: PlanRequest,
         return LayoutPlan("separate", [GpuGroup(("rollout", "learner", *(("reference",) if server else ())), 1, _sum_rows(*rows),
                                                 node.usable_bytes)], {"rollout": 1, "learner": 1, "reference": int(server)},
                           notes, host=_host(base, request, server))  # fmt: skip
-    candidates = [split] if split is not None else _splits(arch, base, request, node.gpus, server)
-    plans = [_separate(arch, base, request, node, s) for s in candidates]
+    plans = [_separate(arch, base, request, node, split) for split in _splits(arch, base, request, node.gpus, server)]
     if not plans:
         return LayoutPlan("separate", [], {}, [f"{node.gpus} GPUs cannot be split into rollout, learner"
                                                + (" and reference" if server else "")], applicable=False)  # fmt: skip
     best = min(plans, key=lambda p: (not p.fits, p.tightest.load, -sum(p.split.values())))
     idle = node.gpus - sum(best.split.values())
-    if idle and split is None and best.fits:
+    if idle and best.fits:
         best.notes.append(f"{idle} GPU(s) idle: no larger split of this model's heads and widths helps")
     if not request.learner_sharded:
         best.notes.append("the learner on one device, as today's learner computes (--sharded-learner plans it sharded)")
@@ -181,8 +179,8 @@ def _host(base: BaseWeights, request: PlanRequest, server: bool) -> dict[str, in
 
 def _separate(arch: Architecture, base: BaseWeights, request: PlanRequest, node: Node, split: dict[str, int]) -> LayoutPlan:
     tp = split["rollout"]
-    groups: list[GpuGroup] = [GpuGroup(("rollout",), tp, rollout_rows(arch, base, request.model_copy(update={"tensor_parallel_size": tp}), tp),
-                       rollout_usable(node, request))]  # fmt: skip
+    request = request.model_copy(update={"tensor_parallel_size": tp})
+    groups = [GpuGroup(("rollout",), tp, rollout_rows(arch, base, request, tp), rollout_usable(node, request))]
     learner_shards = split["learner"] if request.learner_sharded else 1
     if split["learner"]:
         groups.append(GpuGroup(("learner",), split["learner"], learner_rows(arch, base, request, learner_shards), node.usable_bytes))
