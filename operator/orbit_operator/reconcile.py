@@ -199,6 +199,7 @@ def plan(observed: Observed, settings: OperatorSettings) -> Plan:  # noqa: C901 
     if old_phase == "Failed" and failed.get("reason") == "DoesNotFit" and not status.get("startTime") and edited:
         old_phase = None  # refused before it ever ran, and its spec changed since: planned again
         status.pop("completionTime", None)
+        status["reapply"] = True  # its next pod takes the edited spec, not the one the refused pod was built from
         conditions = [c for c in conditions if c.get("type") != "Failed"]
     if old_phase in TERMINAL:
         return finish(old_phase, _ttl_plan(status, spec.ttlSecondsAfterFinished, now))

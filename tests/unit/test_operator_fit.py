@@ -103,11 +103,15 @@ def test_prepare_base_does_not_fit_ends_the_job_without_retries():
     assert decided.status["plan"] == report["plan"] and ("Warning", "DoesNotFit", report["message"]) in decided.events
     again = plan(Observed(gpu_job("qwen3-8b", gpus=1, status=decided.status), [refused], configmap(job), T0), SETTINGS)
     assert again.status["phase"] == "Failed" and again.create_pod is None and not again.events  # no edit: it stays refused
-    # the learner never ran: an edit (more memory) starts it, with a new pod that plans again
-    edited = gpu_job("qwen3-8b", gpus=1, status=decided.status)
+    # the learner never ran: an edit (more memory) starts it, with a new pod built from the edited spec that plans again
+    edited = gpu_job("qwen3-8b", gpus=1, status=decided.status,
+                     resources={"rollout": {"gpus": 1, "memory": "1500Gi"}, "learner": {"gpus": 1, "memory": "1600Gi"}})  # fmt: skip
     edited["metadata"]["generation"] = 2
     fixed = plan(Observed(edited, [refused], configmap(job), T0), SETTINGS)
     assert fixed.create_pod["metadata"]["name"] == "quickstart-cpu-1" and "--enforce-fit" in prepare_base_command(fixed)
+    learner = fixed.create_pod["spec"]["containers"][0]
+    assert learner["resources"]["limits"]["memory"] == "1600Gi"  # the edit, not the spec the refused pod was built from
+    assert json.loads(fixed.create_configmap["data"]["plan.json"])["roles"]["learner"]["memory_bytes"] == 1600 * 2**30
     assert not [c for c in fixed.status["conditions"] if c["type"] == "Failed"] and fixed.status["phase"] == "Pending"
 
 
