@@ -74,7 +74,7 @@ def rollout_rows(arch: Architecture, base: BaseWeights, request: PlanRequest, gp
     """vLLM on one of GPUS tensor-parallel GPUs (cpu: vLLM's CPU build, its KV cache a fixed allocation)."""
     int4, dense = base.on_gpu(gpus, request.dtype)
     kv = request.cpu_kv_cache_gib * GIB if cpu else kv_tokens(request) * kv_bytes_per_token(arch, request, gpus)
-    return {"base_int4": int4, "base_16bit": dense, "lora": vllm_lora_bytes(model_linears(arch), request, gpus), "kv_cache": kv,
+    return {"base_int4": int4, "base_16bit": dense, "lora": vllm_lora_bytes(model_linears(arch), request, gpus, base.kv_heads), "kv_cache": kv,
             "rollout_activations": rollout_scratch(arch, request, gpus, cpu),
             "runtime": (CPU_RUNTIME if cpu else GPU_RUNTIME)["rollout"]}  # fmt: skip
 

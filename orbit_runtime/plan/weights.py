@@ -134,9 +134,10 @@ def lora_params(linears: list[Linear], request: PlanRequest, gpus: int = 1, kv_h
     return total
 
 
-def vllm_lora_bytes(linears: list[Linear], request: PlanRequest, gpus: int) -> int:
+def vllm_lora_bytes(linears: list[Linear], request: PlanRequest, gpus: int, kv_heads: int = 1) -> int:
     """vLLM's adapter slots: it allocates max_loras adapters at max_lora_rank for every layer it can
     adapt (attention, MLPs, experts), whatever the adapter targets."""
-    params = sum(linear.count * request.rank * (linear.in_features + linear.out_features)
+    n = max(gpus, 1)
+    params = sum(linear.count * request.rank * (linear.in_features + linear.out_features) // _divisor(linear.shard, n, kv_heads)
                  for linear in linears if linear.kind not in ("router", "lm_head"))  # fmt: skip
-    return request.max_loras * params * DTYPE_BYTES[request.dtype] // max(gpus, 1)
+    return request.max_loras * params * DTYPE_BYTES[request.dtype]

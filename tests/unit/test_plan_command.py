@@ -143,3 +143,35 @@ def test_prepare_base_without_a_readable_plan_never_stops_the_job(tmp_path, demo
     result = orbit("prepare-base", "--cache", str(cache), "--source", str(demo_dir), "--plan", str(tmp_path / "missing.json"),
                    "--enforce-fit")  # fmt: skip
     assert result.exit_code == 0 and "the job was not planned" in result.output, result.output
+
+
+def test_compare_sets_each_measured_step_against_the_plan(tmp_path, int4_dir):
+    """A run directory as the trainer writes it (job.json, step rows with their start and peak memory):
+    a fresh run's step 1 is compared with the first-step plan (AdamW's moments allocated), the others
+    with the later-step plan; a run without step-start memory is refused naming the file."""
+    from orbit_runtime.config import parse_job_spec
+    from orbit_runtime.plan.architecture import read_architecture
+    from orbit_runtime.plan.planner import learner_step
+    from orbit_runtime.plan.request import from_job_spec
+
+    run = tmp_path / "runs" / "r"
+    run.mkdir(parents=True)
+    spec = parse_job_spec({"model": {"path": str(int4_dir)}, "adapter": {"rank": 8}})
+    (run / "job.json").write_text(spec.model_dump_json())
+    mib = 2**20
+    rows = [{"kind": "step", "step": s, "rss_at_step_start_bytes": 1000 * mib, "peak_rss_bytes": (1000 + extra) * mib}
+            for s, extra in ((1, 60), (2, 20), (3, 30))]  # fmt: skip
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [{"kind": "eval", "step": 0}, *rows]) + '{"torn')
+    result = orbit("plan", "--compare", str(run), "--json")
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    arch, request = read_architecture(int4_dir), from_job_spec(spec)
+    first, later = learner_step(arch, request, first=True).peak, learner_step(arch, request, first=False).peak
+    assert doc["device"] == "cpu" and doc["steps"] == 3
+    assert doc["planned"]["first_step_bytes"] == first and doc["planned"]["later_step_bytes"] == later
+    assert doc["measured"]["first_step_peak_above_start_bytes"] == 60 * mib and doc["ratio_first_step"] == round(60 * mib / first, 3)
+    assert doc["measured"]["later_step_peak_above_start_bytes"] == 30 * mib and doc["ratio_later_steps"] == round(30 * mib / later, 3)
+    assert "first step:" in orbit("plan", "--compare", str(run)).output
+    (run / "metrics.jsonl").write_text(json.dumps({"kind": "step", "step": 1, "peak_rss_bytes": 1}) + "\n")
+    old = orbit("plan", "--compare", str(run))
+    assert old.exit_code == 2 and "metrics.jsonl: no step rows with step-start memory" in old.output, old.output
