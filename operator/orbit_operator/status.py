@@ -35,32 +35,31 @@ def progress_from_learner(learner: dict) -> dict:
     return progress
 
 
-def learner_final_status(pod: dict | None) -> dict | None:
-    """A finished learner's last /status: its termination message (JSON), or None (it failed and the
-    message is the end of its log, or it wrote none)."""
-    for container in ((pod or {}).get("status") or {}).get("containerStatuses") or []:
+def _termination_document(pod: dict | None, statuses: str, name: str) -> dict | None:
+    """The JSON object container NAME (in the pod status's STATUSES list) left as its termination
+    message; None if it wrote none, or the message is the end of its log."""
+    for container in ((pod or {}).get("status") or {}).get(statuses) or []:
         message = ((container.get("state") or {}).get("terminated") or {}).get("message", "")
-        if container.get("name") == "learner" and message.startswith("{"):
-            try:
-                document = json.loads(message)
-            except ValueError:
-                return None
-            return document if isinstance(document, dict) and "step" in document else None
-    return None
-
-
-def prepare_base_report(pod: dict | None) -> dict | None:
-    """What prepare-base reported when it ended (its termination message, JSON): {"plan": summary} or
-    {"reason": "DoesNotFit", "message": breakdown, "plan": summary}; None if it wrote none."""
-    for container in ((pod or {}).get("status") or {}).get("initContainerStatuses") or []:
-        message = ((container.get("state") or {}).get("terminated") or {}).get("message", "")
-        if container.get("name") == "prepare-base" and message.startswith("{"):
+        if container.get("name") == name and message.startswith("{"):
             try:
                 document = json.loads(message)
             except ValueError:
                 return None
             return document if isinstance(document, dict) else None
     return None
+
+
+def learner_final_status(pod: dict | None) -> dict | None:
+    """A finished learner's last /status: its termination message (JSON), or None (it failed and the
+    message is the end of its log, or it wrote none)."""
+    document = _termination_document(pod, "containerStatuses", "learner")
+    return document if document is not None and "step" in document else None
+
+
+def prepare_base_report(pod: dict | None) -> dict | None:
+    """What prepare-base reported when it ended (its termination message, JSON): {"plan": summary} or
+    {"reason": "DoesNotFit", "message": breakdown, "plan": summary}; None if it wrote none."""
+    return _termination_document(pod, "initContainerStatuses", "prepare-base")
 
 
 def set_condition(conditions: list[dict], type_: str, status: bool, reason: str, message: str, at: str | None = None) -> list[dict]:

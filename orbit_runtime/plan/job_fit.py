@@ -71,10 +71,6 @@ class JobFit:
         return "; ".join(lines)
 
 
-def _gpu_group(role: str, gpus: int, rows: dict[str, int], usable: int) -> GpuGroup:
-    return GpuGroup((role,), gpus, rows, usable)
-
-
 def fit_job(arch: Architecture, request: PlanRequest) -> JobFit:
     """The job's own pod (REQUEST.roles) on its node; PlanError if the request names no roles."""
     if request.roles is None:
@@ -89,11 +85,11 @@ def fit_job(arch: Architecture, request: PlanRequest) -> JobFit:
 
     def place(name: str, gpus: int, gpu_rows: dict[str, int] | None, cpu_rows: dict[str, int]) -> None:
         if gpus == 0:
-            groups.append(_gpu_group(name, 0, cpu_rows, limit(name)))
+            groups.append(GpuGroup((name,), 0, cpu_rows, limit(name)))
             return
         if node.gpu_memory_known:
             usable = rollout_usable(node, request) if name == "rollout" else node.usable_bytes
-            groups.append(_gpu_group(name, gpus, gpu_rows, usable))  # type: ignore[arg-type]
+            groups.append(GpuGroup((name,), gpus, gpu_rows, usable))  # type: ignore[arg-type]
         else:
             unjudged.append(name)
         groups.append(GpuGroup((name,), 0, {"host_memory": host_bytes(name, base, request)}, limit(name)))
