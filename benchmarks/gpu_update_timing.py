@@ -17,8 +17,8 @@ def timed_updates(policy, args, cuda: bool, result: dict, checks: dict):
     from learner_scale import make_batch
 
     from orbit_runtime.algorithms.grpo import LossConfig
-    from orbit_runtime.algorithms.update import policy_update
     from orbit_runtime.learner.micro_batches import MicroBatchLimits
+    from orbit_runtime.learner.update import policy_update
 
     optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=1e-4)
     batch = make_batch(args.prompts, args.group, args.completion_tokens, args.vocab, seed=0)

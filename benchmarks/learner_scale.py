@@ -4,7 +4,7 @@ The workload of the issue: 8 prompts x 8 completions x 1,024 completion tokens (
 32-96 tokens) on a random Qwen2-shape model of >= 100M parameters, quantized to INT4 by
 `orbit quantize`'s code, LoRA rank 16 on all linears, bf16 compute. Each configuration runs
 in a fresh process and performs exactly what `orbit train` does for one RL step's update:
-`algorithms.update.policy_update` (forward, GRPO loss, backward, AdamW), after a warm-up
+`learner.update.policy_update` (forward, GRPO loss, backward, AdamW), after a warm-up
 update on two short sequences (kernels, lazily loaded modules).
 
 Configurations (all with gradient checkpointing on: the big batch's best setting, since
@@ -55,7 +55,7 @@ def make_batch(prompts: int, group: int, completion_tokens: int, vocab: int, see
     """PROMPTS x GROUP (prompt, completion) pairs of random tokens, rollout log-probs and advantages."""
     import torch
 
-    from orbit_runtime.algorithms.update import UpdateBatch
+    from orbit_runtime.learner.update import UpdateBatch
 
     rng = random.Random(seed)
     pairs = []
@@ -76,9 +76,9 @@ def worker(args: argparse.Namespace) -> dict:
     import torch
 
     from orbit_runtime.algorithms.grpo import LossConfig
-    from orbit_runtime.algorithms.update import policy_update
     from orbit_runtime.config import AdapterSpec
     from orbit_runtime.learner.micro_batches import MicroBatchLimits
+    from orbit_runtime.learner.update import policy_update
 
     torch.manual_seed(0)
     torch.set_num_threads(os.cpu_count() or 1)

@@ -32,8 +32,8 @@ def sample_prompts(count: int, vocab: int, seed: int) -> list[list[int]]:
 def run_dtype(dtype: str, src: Path, int4: Path, args: argparse.Namespace, workdir: Path) -> dict:
     import torch
 
+    from orbit_runtime.algorithms.mismatch import measure_mismatch
     from orbit_runtime.config import AdapterSpec
-    from orbit_runtime.learner.mismatch import measure_mismatch
     from orbit_runtime.learner.model import load_dense_policy, load_policy
     from orbit_runtime.rollout.client import RolloutClient, adapter_name
     from orbit_runtime.rollout.server import VLLMServer, VLLMServerConfig

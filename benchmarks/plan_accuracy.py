@@ -3,7 +3,7 @@
 A random Qwen2-shape model of >= 100M parameters (default 111M: hidden 768, 14 layers, vocab
 32k), quantized to INT4 by `orbit quantize`'s code. Each configuration runs in a fresh process,
 as `orbit train`'s learner does one step: the rollback snapshot (StepSnapshot), then
-`algorithms.update.policy_update` (micro-batched forward, GRPO loss, backward, AdamW) on
+`learner.update.policy_update` (micro-batched forward, GRPO loss, backward, AdamW) on
 PROMPTS x GROUP samples (prompts of 32-96 tokens, completions of --completion-tokens). It is
 the learner's FIRST step, so AdamW allocates its moments in it, as the plan's first step says.
 
@@ -58,10 +58,10 @@ def one_step(model_dir: Path, config: str, prompts: int, group: int, completion_
     import torch
 
     from orbit_runtime.algorithms.grpo import LossConfig
-    from orbit_runtime.algorithms.update import policy_update
     from orbit_runtime.config import AdapterSpec
     from orbit_runtime.learner.micro_batches import MicroBatchLimits
     from orbit_runtime.learner.model import load_policy
+    from orbit_runtime.learner.update import policy_update
     from orbit_runtime.trainer.rollback import StepSnapshot
 
     micro, checkpointing, dtype, rank = CONFIGS[config]

@@ -35,7 +35,7 @@ from vllm.model_executor.models.qwen3_moe import Qwen3MoeAttention, Qwen3MoeMLP
 from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, extract_layer_index, make_layers, maybe_prefix
 from vllm.sequence import IntermediateTensors
 
-from orbit_runtime.learner.moe import RoutingSpec, select_experts
+from orbit_runtime.moe_routing import RoutingSpec, select_experts
 
 
 class ExpertLinearsMoeBlock(nn.Module):

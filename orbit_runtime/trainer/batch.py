@@ -10,9 +10,9 @@ from dataclasses import dataclass
 import torch
 
 from orbit_runtime.algorithms.grpo import group_advantages
-from orbit_runtime.algorithms.update import UpdateBatch
 from orbit_runtime.config.spec import JobSpec
 from orbit_runtime.data.datasets import Example
+from orbit_runtime.learner.update import UpdateBatch
 from orbit_runtime.rewards.scoring import RewardResult, RewardScorer
 from orbit_runtime.rollout.client import Completion
 from orbit_runtime.trainer.roles import ReferenceRole, RolloutRole

@@ -8,7 +8,7 @@ If the commit fails, the update is rolled back (see rollback): the run's state i
 step's. Held-out prompts are scored greedily at the start, every `eval.every_steps` and at
 the end.
 
-The parts, each in its own module: batch (generate + score), algorithms.update (the
+The parts, each in its own module: batch (generate + score), learner.update (the
 update), roles (supervised rollout and reference servers), evaluation, checkpoint_manager,
 stopping (signals), rollback, recorder (metrics rows, samples, summary, report).
 """
@@ -26,7 +26,6 @@ import torch
 
 from orbit_runtime.algorithms.grpo import LossConfig
 from orbit_runtime.algorithms.lr_schedule import lr_multiplier
-from orbit_runtime.algorithms.update import UpdateResult, policy_update
 from orbit_runtime.config.fingerprint import config_hash, training_fields
 from orbit_runtime.config.spec import JobSpec
 from orbit_runtime.data.datasets import load_splits
@@ -35,6 +34,7 @@ from orbit_runtime.int4.base_digest import read_base_digest
 from orbit_runtime.learner.device import resolve_device
 from orbit_runtime.learner.micro_batches import MicroBatchLimits
 from orbit_runtime.learner.model import load_policy
+from orbit_runtime.learner.update import UpdateResult, policy_update
 from orbit_runtime.observability import metrics
 from orbit_runtime.observability.peak_memory import PeakMemory
 from orbit_runtime.observability.server import MetricsServer

@@ -8,8 +8,8 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from orbit_runtime.algorithms.update import UpdateResult
 from orbit_runtime.checkpoint.catalog import step_dir
+from orbit_runtime.learner.update import UpdateResult
 from orbit_runtime.run_paths import RunPaths
 from orbit_runtime.sync.adapter_sync import SyncResult
 from orbit_runtime.trainer.batch import RolloutBatch

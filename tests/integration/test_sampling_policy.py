@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from orbit_runtime.algorithms.mismatch import measure_mismatch
 from orbit_runtime.config import AdapterSpec, parse_job_spec
 from orbit_runtime.data.datasets import Example
-from orbit_runtime.learner.mismatch import measure_mismatch
 from orbit_runtime.learner.model import load_policy
 from orbit_runtime.rewards.scoring import RewardScorer
 from orbit_runtime.sync.adapter_sync import publish_adapter

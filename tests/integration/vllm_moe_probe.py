@@ -21,7 +21,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 def record_routing(model, captured: list) -> int:
     """Hook every Orbit CPU MoE block's router: append (layer, sorted expert ids per token)."""
-    from orbit_runtime.learner.moe import select_experts
+    from orbit_runtime.moe_routing import select_experts
     from orbit_runtime.rollout.vllm_cpu_moe import ExpertLinearsMoeBlock
 
     blocks = [(name, m) for name, m in model.named_modules() if isinstance(m, ExpertLinearsMoeBlock)]

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from orbit_runtime.algorithms.grpo import LossConfig, LossInputs, grpo_loss
-from orbit_runtime.algorithms.update import UpdateBatch, pad, policy_update
 from orbit_runtime.config import AdapterSpec
 from orbit_runtime.learner.micro_batches import MicroBatchLimits, logprobs_in_micro_batches, split_minibatches
 from orbit_runtime.learner.model import load_policy
+from orbit_runtime.learner.update import UpdateBatch, pad, policy_update
 
 # lengths differ a lot (so micro-batches pad differently) and one completion is empty
 PAIRS = [

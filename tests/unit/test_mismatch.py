@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from orbit_runtime.learner.mismatch import k3_kl, measure_mismatch
+from orbit_runtime.algorithms.mismatch import k3_kl, measure_mismatch
 
 
 def test_hand_computed_values():

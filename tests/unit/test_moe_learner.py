@@ -18,13 +18,8 @@ from orbit_runtime.config import AdapterSpec
 from orbit_runtime.learner.dense_reference import load_dequantized_dense_model
 from orbit_runtime.learner.int4_linear import Int4Linear
 from orbit_runtime.learner.model import load_policy
-from orbit_runtime.learner.moe import (
-    RoutingSpec,
-    SparseMoeBlock,
-    grouped_expert_forward,
-    per_expert_peft_layout,
-    select_experts,
-)
+from orbit_runtime.learner.moe import SparseMoeBlock, grouped_expert_forward, per_expert_peft_layout
+from orbit_runtime.moe_routing import RoutingSpec, select_experts
 
 QWEN3_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]  # Qwen3-MoE has no dense or shared MLP
 DEEPSEEK_TARGETS = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -44,6 +44,36 @@ def test_no_module_named_operator_shadows_stdlib():
     assert Path(orbit_operator.__file__).parent == ROOT / "operator" / "orbit_operator"
 
 
+def _project_imports(path: Path) -> set[str]:
+    """The orbit_runtime modules a source file imports (at any depth of the file)."""
+    import ast
+
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+    return {n for n in names if n.startswith("orbit_runtime.")}
+
+
+# package -> the orbit_runtime packages it must never import (the layering of DESIGN.md)
+FORBIDDEN_IMPORTS = {
+    "algorithms": ("learner", "rollout", "trainer", "reference", "sync", "int4"),  # pure math the learner calls
+    "rollout": ("learner", "trainer"),  # the rollout engine never depends on the learner
+}
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN_IMPORTS))
+def test_package_boundaries(package):
+    offenders = []
+    for path in sorted((ROOT / "orbit_runtime" / package).rglob("*.py")):
+        for module in _project_imports(path):
+            if module.split(".")[1] in FORBIDDEN_IMPORTS[package]:
+                offenders.append(f"{path.relative_to(ROOT)} imports {module}")
+    assert not offenders, "\n".join(offenders)
+
+
 def test_ruff_clean():
     ruff = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which("ruff")
     assert ruff, "ruff is a test dependency"

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from orbit_runtime.algorithms.grpo import LossConfig
-from orbit_runtime.algorithms.update import UpdateBatch, policy_update
 from orbit_runtime.config import AdapterSpec
 from orbit_runtime.learner.model import load_policy
+from orbit_runtime.learner.update import UpdateBatch, policy_update
 from orbit_runtime.trainer.rollback import StepSnapshot
 
 PAIRS = [([97, 86, 84, 70], [18, 19, 12, 40]), ([97, 66], [20, 21, 22, 23, 24]), ([97, 66], [20, 30])]

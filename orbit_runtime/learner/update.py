@@ -23,6 +23,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from orbit_runtime.algorithms.grpo import BatchTotals, LossConfig, LossInputs, LossOutputs, grpo_loss
+from orbit_runtime.algorithms.mismatch import MismatchStats, measure_mismatch
 from orbit_runtime.learner.micro_batches import (
     NO_LIMITS,
     MicroBatchLimits,
@@ -30,7 +31,6 @@ from orbit_runtime.learner.micro_batches import (
     sequence_lengths,
     split_minibatches,
 )
-from orbit_runtime.learner.mismatch import MismatchStats, measure_mismatch
 
 Pairs = list[tuple[list[int], list[int]]]
 
