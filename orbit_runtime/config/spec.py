@@ -166,6 +166,10 @@ class RolloutSpec(Section):
         None, description="Reuse the KV cache of shared prompt prefixes (a group's completions share their prompt)."
     )
     max_num_seqs: int | None = Field(None, ge=1, description="Most sequences vLLM schedules at once.")
+    enforce_eager: bool | None = Field(
+        None, description="Run vLLM without CUDA graphs (--enforce-eager). Default: only on vLLM's CPU build, which has "
+        "no CUDA graphs; on a GPU eager mode makes decode several times slower, so it is for debugging only."
+    )
 
     @field_validator("top_p")
     @classmethod

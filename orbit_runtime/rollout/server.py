@@ -46,6 +46,7 @@ class VLLMServerConfig:
     tensor_parallel_size: int = 1
     enable_prefix_caching: bool | None = None
     max_num_seqs: int | None = None
+    enforce_eager: bool | None = None  # None: only on vLLM's CPU build (see eager())
     extra_args: list[str] = field(default_factory=list)
     log_path: Path | None = None
 
@@ -63,7 +64,7 @@ class VLLMServerConfig:
             "--enable-lora",
             "--max-lora-rank", str(self.max_lora_rank),
             "--max-loras", str(self.max_loras),
-            "--enforce-eager",
+            *(["--enforce-eager"] if self.eager() else []),
             "--seed", str(self.seed),
             "--disable-uvicorn-access-log",
             # sampled tokens' log-probs after temperature (what the learner computes), not raw ones
@@ -76,6 +77,11 @@ class VLLMServerConfig:
             *self.gpu_args(),
             *self.extra_args,
         ]  # fmt: skip
+
+    def eager(self) -> bool:
+        """Run without CUDA graphs? As set, else only on the CPU build: there eager is the only
+        mode, while on a GPU CUDA graphs make decode several times faster."""
+        return self.enforce_eager if self.enforce_eager is not None else is_cpu_build()
 
     def gpu_args(self) -> list[str]:
         """vLLM flags for the GPU settings that are set (rollout.gpu_memory_utilization, ...)."""

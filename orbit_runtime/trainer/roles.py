@@ -53,7 +53,8 @@ def rollout_server_config(spec: JobSpec, log_path: Path, learner_device: torch.d
                             max_model_len=rollout.max_model_len, kv_cache_gib=rollout.kv_cache_gib, seed=spec.schedule.seed,
                             log_path=log_path, gpu_memory_utilization=utilization,
                             tensor_parallel_size=rollout.tensor_parallel_size,
-                            enable_prefix_caching=rollout.enable_prefix_caching, max_num_seqs=rollout.max_num_seqs)  # fmt: skip
+                            enable_prefix_caching=rollout.enable_prefix_caching, max_num_seqs=rollout.max_num_seqs,
+                            enforce_eager=rollout.enforce_eager)  # fmt: skip
 
 
 @dataclass(frozen=True)
