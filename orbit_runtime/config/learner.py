@@ -38,3 +38,8 @@ class LearnerSpec(BaseModel):
     micro_batch_size: int | None = Field(
         None, ge=1, description="Most sequences per micro-batch (null: no limit besides micro_batch_tokens)."
     )
+
+
+# Positions whose logits the learner's log-softmax holds at once (learner/token_logprobs.py;
+# the planner's logits row). 1024 x a 160k vocabulary x 12 bytes is ~2 GB.
+LOGPROB_CHUNK_TOKENS = 1024

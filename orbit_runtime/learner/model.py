@@ -15,11 +15,13 @@ import torch
 from torch import nn
 
 from orbit_runtime.config import AdapterSpec
+from orbit_runtime.config.learner import LOGPROB_CHUNK_TOKENS
 from orbit_runtime.config.precision import canonical_dtype
 from orbit_runtime.errors import OrbitError
 from orbit_runtime.learner.int4_base import load_int4_base
 from orbit_runtime.learner.int4_linear import Int4Linear
 from orbit_runtime.learner.moe import SparseMoeBlock, per_expert_peft_layout
+from orbit_runtime.learner.token_logprobs import chunked_token_logprobs
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -48,6 +50,7 @@ class Policy:
         self.model = peft_model
         self.dtype = dtype
         self.model_dir = model_dir
+        self.logprob_chunk_tokens = LOGPROB_CHUNK_TOKENS  # positions through the LM head at once
 
     @property
     def device(self) -> torch.device:
@@ -85,17 +88,38 @@ class Policy:
     ) -> torch.Tensor:
         """log p(token t | tokens < t) for t = 1..T-1 at sampling TEMPERATURE: [B, T] ids -> [B, T-1] float32.
 
-        Logits are taken in the model dtype, divided by the temperature and log-softmaxed in
-        float32, as vLLM's sampler does (its `processed_logprobs`): at T != 1 this is the
-        distribution the rollout sampled from, so the gradient is for the policy that acted.
+        Every position (for checks and tests); training scores completions only
+        (`completion_logprobs`).
+        """
+        batch, width = input_ids.shape
+        rows = torch.arange(batch, device=input_ids.device).repeat_interleave(width - 1)
+        positions = torch.arange(width - 1, device=input_ids.device).repeat(batch)
+        return self.logprobs_at(input_ids, attention_mask, rows, positions, temperature).view(batch, width - 1)
+
+    def logprobs_at(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        rows: torch.Tensor,
+        positions: torch.Tensor,
+        temperature: float = 1.0,
+    ) -> torch.Tensor:
+        """log p(input_ids[r, i + 1] | input_ids[r, :i + 1]) for each (r, i) in zip(ROWS, POSITIONS): [N] float32.
+
+        One forward of the decoder; the LM head and the log-softmax run only on the selected
+        positions, in chunks (token_logprobs.py), as vLLM's sampler computes them: logits in
+        the model dtype, divided by the temperature and normalised in float32. At T != 1
+        this is the distribution the rollout sampled from, so the gradient is for the policy
+        that acted.
         """
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
-        logits = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1].float()
-        if temperature != 1.0:
-            logits = logits / temperature
-        logprobs = torch.log_softmax(logits, dim=-1)
-        return logprobs.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+        causal_lm = self.model.get_base_model()
+        hidden = causal_lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        return chunked_token_logprobs(
+            hidden[rows, positions], input_ids[rows, positions + 1], causal_lm.get_output_embeddings(), temperature,
+            self.logprob_chunk_tokens,
+        )
 
     def completion_logprobs(
         self, pairs: list[tuple[list[int], list[int]]], pad_id: int = 0, temperature: float = 1.0
@@ -103,17 +127,23 @@ class Policy:
         """Per-token log-probs of each completion given its prompt: [(prompt, completion)] -> [[len(c)]].
 
         Sequences are right-padded into one batch; padding never affects earlier positions
-        of a causal model, so each completion is scored exactly as on its own.
+        of a causal model, so each completion is scored exactly as on its own. Only the
+        completion's positions reach the LM head.
         """
         lengths = [len(p) + len(c) for p, c in pairs]
         width = max(lengths)
         ids = torch.full((len(pairs), width), pad_id, dtype=torch.long)
         mask = torch.zeros((len(pairs), width), dtype=torch.long)
+        rows, positions = [], []
         for row, (prompt, completion) in enumerate(pairs):
             ids[row, : lengths[row]] = torch.tensor(prompt + completion)
             mask[row, : lengths[row]] = 1
-        logprobs = self.token_logprobs(ids.to(self.device), mask.to(self.device), temperature)
-        return [logprobs[row, len(p) - 1 : len(p) + len(c) - 1] for row, (p, c) in enumerate(pairs)]
+            rows += [row] * len(completion)
+            positions += range(len(prompt) - 1, lengths[row] - 1)
+        device = self.device
+        flat = self.logprobs_at(ids.to(device), mask.to(device), torch.tensor(rows, device=device, dtype=torch.long),
+                                torch.tensor(positions, device=device, dtype=torch.long), temperature)  # fmt: skip
+        return list(flat.split([len(c) for _, c in pairs]))
 
     @property
     def has_dropout(self) -> bool:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from orbit_runtime.config.learner import LOGPROB_CHUNK_TOKENS
 from orbit_runtime.plan.architecture import Architecture
 from orbit_runtime.plan.parameters import Linear, decoder_layer, widest_intermediate
 from orbit_runtime.plan.request import PlanRequest
@@ -35,7 +36,6 @@ from orbit_runtime.plan.weights import DTYPE_BYTES, peft_targets
 
 LOGITS_BYTES_TRAIN = 12  # fp32 saved log-softmax output + its gradient + the input gradient
 LOGITS_BYTES_SCORE = 10  # no_grad scoring: the act logits, their fp32 copy, the fp32 log-softmax (bf16 counted as 2)
-LOGITS_CHUNK_TOKENS = 1024  # what a chunked log-softmax (as verl and TRL offer) holds at once
 
 
 @dataclass
@@ -147,8 +147,8 @@ def micro_batch(request: PlanRequest) -> MicroBatch:
 @dataclass(frozen=True)
 class UpdateMemory:
     activations: int
-    logits: int
-    logits_chunked: int  # what a chunked log-softmax would hold instead of `logits`
+    logits: int  # the chunked log-softmax the learner runs
+    logits_unchunked: int  # what a full [tokens x vocab] log-softmax would hold instead
     activations_without_checkpointing: int
     activations_with_checkpointing: int
 
@@ -169,8 +169,8 @@ def update_memory(arch: Architecture, request: PlanRequest, gpus: int = 1, full_
     logit_tokens = mb.tokens - mb.rows  # every position but each sequence's last
     return UpdateMemory(
         activations=int(with_gc if request.gradient_checkpointing else without_gc),
-        logits=int(LOGITS_BYTES_TRAIN * logit_tokens * vocab),
-        logits_chunked=int(LOGITS_BYTES_TRAIN * min(logit_tokens, LOGITS_CHUNK_TOKENS) * vocab),
+        logits=int(LOGITS_BYTES_TRAIN * min(logit_tokens, LOGPROB_CHUNK_TOKENS) * vocab),
+        logits_unchunked=int(LOGITS_BYTES_TRAIN * logit_tokens * vocab),
         activations_without_checkpointing=int(without_gc),
         activations_with_checkpointing=int(with_gc),
     )
@@ -182,4 +182,5 @@ def scoring_memory(arch: Architecture, request: PlanRequest, gpus: int = 1) -> t
     mb = micro_batch(request)
     act_bytes = DTYPE_BYTES[request.learner_dtype]
     layer = max(layer_saved(arch, i, request).bytes_on(gpus, act_bytes) for i in range(arch.layers))
-    return int(mb.tokens * layer), int(LOGITS_BYTES_SCORE * (mb.tokens - mb.rows) * arch.vocab / max(gpus, 1))
+    logit_tokens = min(mb.tokens - mb.rows, LOGPROB_CHUNK_TOKENS)
+    return int(mb.tokens * layer), int(LOGITS_BYTES_SCORE * logit_tokens * arch.vocab / max(gpus, 1))

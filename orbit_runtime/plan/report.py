@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from orbit_runtime.config.learner import LOGPROB_CHUNK_TOKENS
 from orbit_runtime.plan.activations import micro_batch, update_memory
 from orbit_runtime.plan.hardware import USABLE_SHARE, gib
 from orbit_runtime.plan.layouts import GpuGroup, LayoutPlan
@@ -63,7 +64,7 @@ def plan_json(plan: Plan) -> dict:
         "micro_batch": {"sequences": mb.rows, "padded_tokens": mb.tokens, "activations_with_checkpointing_bytes":
                         update.activations_with_checkpointing, "activations_without_checkpointing_bytes":
                         update.activations_without_checkpointing, "logits_bytes": update.logits,
-                        "logits_chunked_bytes": update.logits_chunked},
+                        "logits_unchunked_bytes": update.logits_unchunked},
         **{name: layout_json(plan.layouts[name]) for name in LAYOUTS},
         "recommended": plan.recommended,
     }  # fmt: skip
@@ -121,8 +122,8 @@ def render(plan: Plan, console) -> None:
     update = update_memory(plan.arch, r)
     console.print(f"the learner's micro-batch on one device: activations {gib(update.activations_with_checkpointing)} GiB with "
                   f"gradient checkpointing, {gib(update.activations_without_checkpointing)} GiB without; logits "
-                  f"{gib(update.logits)} GiB over the full vocabulary, {gib(update.logits_chunked)} GiB if chunked by "
-                  "1,024 tokens (Orbit does not chunk)")  # fmt: skip
+                  f"{gib(update.logits)} GiB (the log-softmax in chunks of {LOGPROB_CHUNK_TOKENS:,} tokens; "
+                  f"{gib(update.logits_unchunked)} GiB over all tokens at once)")  # fmt: skip
     for name in LAYOUTS:
         layout = plan.layouts[name]
         verdict = "fits" if layout.fits else f"does not fit (binding: {layout.binding})"

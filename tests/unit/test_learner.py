@@ -95,6 +95,45 @@ def test_completion_logprobs_are_independent_of_batch_padding(int4_dir):
         assert torch.allclose(b, a, atol=1e-5)
 
 
+def _full_vocabulary_logprobs(policy, pairs, temperature):
+    """The log-probs as the learner took them before: an fp32 log-softmax over every position."""
+    rows = []
+    for prompt, completion in pairs:
+        ids = torch.tensor([prompt + completion])
+        logits = policy.model(input_ids=ids, use_cache=False).logits[:, :-1].float() / temperature
+        logprobs = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)[0]
+        rows.append(logprobs[len(prompt) - 1 :])
+    return rows
+
+
+def test_completion_logprobs_reach_the_lm_head_for_completion_tokens_only_in_chunks(int4_dir):
+    """Only completion positions are scored, CHUNK at a time in forward and in backward; the
+    values and the adapter's gradients equal the full-vocabulary log-softmax's (fp32)."""
+    policy = load_policy(int4_dir, ADAPTER, dtype="fp32")
+    policy.init_adapter_randomly(std=0.05, seed=3)
+    policy.logprob_chunk_tokens = 3
+    pairs = [([97, 66, 67, 68, 69, 70], [20, 21, 22, 23, 24]), ([97, 68], [24, 25])]
+    head_rows = []
+    hook = policy.model.get_base_model().get_output_embeddings().register_forward_hook(
+        lambda _m, _i, out: head_rows.append(out.shape[:-1].numel())
+    )
+    try:
+        ours = policy.completion_logprobs(pairs, temperature=0.7)
+        sum(row.sum() for row in ours).backward()
+    finally:
+        hook.remove()
+    # 7 completion tokens in chunks of 3: forward 3+3+1, recomputed in backward 3+3+1
+    assert sorted(head_rows) == [1, 1, 3, 3, 3, 3], head_rows
+    ours_grads = {n: p.grad.clone() for n, p in policy.model.named_parameters() if p.grad is not None}
+    policy.model.zero_grad(set_to_none=True)
+    theirs = _full_vocabulary_logprobs(policy, pairs, 0.7)
+    sum(row.sum() for row in theirs).backward()
+    for a, b in zip(ours, theirs, strict=True):
+        assert a.shape == b.shape and (a - b).abs().max() < 1e-5
+    assert ours_grads and all(torch.allclose(g, policy.model.get_parameter(n).grad, atol=1e-5, rtol=1e-4)
+                              for n, g in ours_grads.items())  # fmt: skip
+
+
 def test_bad_inputs_name_the_problem(demo_dir, int4_dir):
     with pytest.raises(OrbitError, match="no quantization_config"):
         load_policy(demo_dir, ADAPTER)

@@ -48,7 +48,7 @@ def test_a_job_that_cannot_fit_is_refused_before_any_pod_naming_what_binds():
     failed = condition(decided.status, "Failed")
     assert failed["reason"] == "DoesNotFit"
     # today's learner: the whole INT4 base (321.3 GiB) on one H200 (133.4 GiB usable), with its activations and logits
-    assert "learner on 1 x H200 needs 376.0 GiB of 133.4 GiB (base_int4 321.3, activations 25.7, logits 23.7" in failed["message"]
+    assert "learner on 1 x H200 needs 353.8 GiB of 133.4 GiB (base_int4 321.3, activations 25.7, base_16bit 3.7, logits 1.5" in failed["message"]
     assert ("Warning", "DoesNotFit", failed["message"]) in decided.events
     assert decided.status["plan"].startswith("does not fit: rollout 4xH200")
     # the next reconcile (no edit: not planned again): still refused, no event posted again

@@ -147,8 +147,8 @@ def test_deepseek_v3_int4_on_8_h200_which_layouts_fit_and_what_binds():
     # KV: 16 prompts x 1,024 shared prompt tokens + 128 x 1,024 completion tokens = 147,456 tokens x 61 layers x
     # (512 + 64) x 2 bytes, whole on every rank (MLA)
     assert rows["kv_cache"] == 147_456 * 61 * 576 * 2
-    # logits: 12 bytes x (16,384 - 8) positions x 129,280 / 8 (vocabulary-parallel)
-    assert rows["logits"] == 12 * 16_376 * 129_280 // 8
+    # logits: 12 bytes x one 1,024-position chunk of the log-softmax x 129,280 / 8 (vocabulary-parallel)
+    assert rows["logits"] == 12 * 1024 * 129_280 // 8
     # activations: at least each layer's checkpointed input, 16,384 tokens x 61 x 7,168 x 2 bytes = 14.33 GB, whole on each GPU
     assert 16_384 * 61 * 7168 * 2 < rows["activations"] < 16_384 * 61 * 7168 * 2 + 6e9
     # the update (activations + logits, 22.5 GB) is the larger phase; the rollout's KV cache (10.4 GB) takes turns with it
@@ -242,8 +242,8 @@ def test_activations_follow_checkpointing_micro_batches_and_the_adapter():
     with_gc, without = update_memory(arch, base), update_memory(arch, base.model_copy(update={"gradient_checkpointing": False}))
     assert without.activations > 10 * with_gc.activations
     # logits: 12 bytes x 8 x 2,047 tokens x 152,064 vocabulary entries, whatever the checkpointing
-    assert with_gc.logits == without.logits == int(12 * 8 * 2047 * 152064)
-    assert with_gc.logits_chunked == int(12 * 1024 * 152064)
+    assert with_gc.logits_unchunked == without.logits_unchunked == int(12 * 8 * 2047 * 152064)
+    assert with_gc.logits == int(12 * 1024 * 152064)  # the learner's log-softmax runs 1,024 tokens at a time
     # PEFT keeps an fp32 copy of each wrapped linear's input in a bf16 learner: 5 copies of the hidden state
     # (q, k, v, gate, up), o's and down's inputs; fewer targets, fewer copies
     all_targets = layer_saved(arch, 0, base)
