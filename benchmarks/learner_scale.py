@@ -24,6 +24,14 @@ reported as `"fits": false` with the error, instead of taking the machine down. 
 vocab x 10 bytes (bf16 logits, their fp32 copy and the fp32 log-softmax kept for backward).
 
     python benchmarks/learner_scale.py --json benchmarks/results/learner_scale.json
+
+`--logprobs both` measures, side by side, the learner's log-probs as it takes them (completion
+tokens only, LM head and log-softmax 1,024 positions at a time: learner/token_logprobs.py)
+and the way it took them before (one fp32 log-softmax over the whole vocabulary at every
+position, prompt included), `--repeats` times each:
+
+    python benchmarks/learner_scale.py --completion-tokens 256 --short-tokens 0 --micro-batch-tokens 16384 \
+        --skip-one-batch --logprobs both --repeats 2 --json benchmarks/results/learner_logprobs.json
 """
 
 from __future__ import annotations
@@ -69,6 +77,17 @@ def make_batch(prompts: int, group: int, completion_tokens: int, vocab: int, see
     return UpdateBatch(pairs, rollout, advantages)
 
 
+def full_vocabulary_logprobs_at(policy, input_ids, attention_mask, rows, positions, temperature=1.0):
+    """The baseline: the learner's log-probs before chunking (Policy.token_logprobs until this benchmark's commit)."""
+    import torch
+
+    logits = policy.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1].float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    logprobs = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    return logprobs[rows, positions]
+
+
 def worker(args: argparse.Namespace) -> dict:
     """One configuration, in this (fresh) process."""
     limit = int(args.memory_limit_gb * 2**30)
@@ -86,6 +105,8 @@ def worker(args: argparse.Namespace) -> dict:
 
     policy = load_policy(args.model_dir, AdapterSpec(rank=16, alpha=32), dtype="bf16")
     policy.set_gradient_checkpointing(args.gradient_checkpointing)
+    if args.logprobs == "full":
+        policy.logprobs_at = lambda *a, **k: full_vocabulary_logprobs_at(policy, *a, **k)
     optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=1e-5)
     vocab = policy.model.config.vocab_size
     config = LossConfig(max_tokens=args.completion_tokens)
@@ -122,6 +143,20 @@ def worker(args: argparse.Namespace) -> dict:
     }
 
 
+def spread(results: list[dict]) -> dict:
+    """Median, min and max of the peak and the step time over repeated runs that fit."""
+    import statistics
+
+    fitted = [r for r in results if r.get("fits")]
+    if not fitted:
+        return {"fits": False}
+    out: dict = {"fits": True}
+    for key in ("peak_above_before_bytes", "step_seconds"):
+        values = [r[key] for r in fitted]
+        out |= {f"{key}_median": statistics.median(values), f"{key}_min": min(values), f"{key}_max": max(values)}
+    return out
+
+
 def build_int4_model(tmp: Path, hidden: int, intermediate: int, layers: int, vocab: int) -> tuple[Path, int]:
     """A random Qwen2-shape bf16 model (tied embeddings) quantized to INT4 at TMP/int4; returns it and its parameter count."""
     import torch
@@ -142,10 +177,11 @@ def build_int4_model(tmp: Path, hidden: int, intermediate: int, layers: int, voc
     return tmp / "int4", params
 
 
-def run_config(args: argparse.Namespace, model_dir: Path, completion_tokens: int, micro_batch_tokens: int | None) -> dict:
+def run_config(args: argparse.Namespace, model_dir: Path, completion_tokens: int, micro_batch_tokens: int | None,
+               logprobs: str = "chunked") -> dict:  # fmt: skip
     command = [sys.executable, __file__, "--worker", "--model-dir", str(model_dir),
                "--completion-tokens", str(completion_tokens), "--prompts", str(args.prompts), "--group", str(args.group),
-               "--memory-limit-gb", str(args.memory_limit_gb),
+               "--memory-limit-gb", str(args.memory_limit_gb), "--logprobs", logprobs,
                "--gradient-checkpointing" if args.gradient_checkpointing else "--no-gradient-checkpointing"]  # fmt: skip
     command += ["--micro-batch-tokens", str(micro_batch_tokens)] if micro_batch_tokens is not None else ["--one-batch"]
     proc = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **MALLOC_PINNED})
@@ -169,6 +205,14 @@ def main() -> None:
     parser.add_argument("--micro-batch-tokens", type=int, nargs="+", default=[16384, 4096])
     parser.add_argument("--memory-limit-gb", type=float, default=16.0)
     parser.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument(
+        "--logprobs",
+        choices=["chunked", "full", "both"],
+        default="chunked",
+        help="the learner's chunked completion-only log-probs, the full-vocabulary baseline, or both",
+    )
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each configuration (each in a fresh process)")
+    parser.add_argument("--skip-one-batch", action="store_true", help="do not run the one-big-batch configuration")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--one-batch", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
@@ -182,21 +226,40 @@ def main() -> None:
         model_dir, params = build_int4_model(Path(tmp), args.hidden, args.intermediate, args.layers, args.vocab)
         for tokens in [args.completion_tokens] + ([args.short_tokens] if args.short_tokens else []):
             budgets = args.micro_batch_tokens if tokens == args.completion_tokens else args.micro_batch_tokens[:1]
-            runs: dict = {f"micro_batches_{n}": run_config(args, model_dir, tokens, n) for n in budgets}
+            kinds = ["chunked", "full"] if args.logprobs == "both" else [args.logprobs]
+            runs: dict = {}
+            for n in budgets:
+                for kind in kinds:
+                    name = f"micro_batches_{n}" + ("" if kind == "chunked" else "_full_vocab_logprobs")
+                    results = [run_config(args, model_dir, tokens, n, kind) for _ in range(args.repeats)]
+                    runs[name] = results[0] if args.repeats == 1 else {"runs": results, **spread(results)}
+            if args.logprobs == "both":
+                for n in budgets:
+                    ours, base = runs[f"micro_batches_{n}"], runs[f"micro_batches_{n}_full_vocab_logprobs"]
+                    if "peak_above_before_bytes_median" in ours and "peak_above_before_bytes_median" in base:
+                        runs[f"micro_batches_{n}_full_over_chunked_peak_ratio"] = round(
+                            base["peak_above_before_bytes_median"] / ours["peak_above_before_bytes_median"], 2
+                        )
+                        runs[f"micro_batches_{n}_full_over_chunked_time_ratio"] = round(
+                            base["step_seconds_median"] / ours["step_seconds_median"], 2
+                        )
+            workloads[f"{args.prompts}x{args.group}x{tokens}"] = runs
+            if args.skip_one_batch:
+                continue
             runs["one_batch"] = one = run_config(args, model_dir, tokens, None)
             one["logits_gib_estimate"] = round(args.prompts * args.group * (96 + tokens) * args.vocab * 10 / 2**30, 1)
             micro = runs[f"micro_batches_{budgets[0]}"]
-            if micro["fits"] and one["fits"]:
+            if micro.get("fits") and one["fits"]:
                 runs["one_batch_over_micro_peak_ratio"] = round(
                     one["peak_above_before_bytes"] / micro["peak_above_before_bytes"], 2
                 )
                 runs["micro_over_one_batch_time_ratio"] = round(micro["step_seconds"] / one["step_seconds"], 2)
-            workloads[f"{args.prompts}x{args.group}x{tokens}"] = runs
     emit_json({
         "model_params": params,
         "shape": {k: getattr(args, k) for k in ("hidden", "intermediate", "layers", "vocab")},
         "lora_rank": 16, "dtype": "bf16", "gradient_checkpointing": args.gradient_checkpointing,
         "micro_batch_tokens": args.micro_batch_tokens, "memory_limit_gb": args.memory_limit_gb,
+        "logprobs": args.logprobs, "repeats": args.repeats,
         "workloads": workloads,
     }, args.json)  # fmt: skip
 
