@@ -158,7 +158,9 @@ def train(
     before, after = summary.get("heldout_accuracy_before"), summary.get("heldout_accuracy_after")
     if before is not None and after is not None:
         console.print(
-            f"held-out accuracy: {before:.1%} before -> {after:.1%} after "
+            f"held-out accuracy: {before:.1%} ± {summary.get('heldout_accuracy_before_stderr') or 0:.1%} before -> "
+            f"{after:.1%} ± {summary.get('heldout_accuracy_after_stderr') or 0:.1%} after "
+            f"({summary.get('heldout_prompts')} prompts) "
             f"{summary['steps']} steps in {summary['wall_seconds']:.0f}s; report {trainer.paths.report}"
         )
     typer.echo(json.dumps(summary))

@@ -86,6 +86,7 @@ def register(app: typer.Typer, fail, configure_logging) -> None:
         from the newest checkpoint of this config. Exit 0 when done; non-zero with one line otherwise."""
         from orbit_runtime.sync.adapter_sync import SyncError
         from orbit_runtime.trainer.loop import Trainer
+        from orbit_runtime.trainer.on_policy import OffPolicy
         from orbit_runtime.trainer.roles import ExternalRoles, RoleDied
 
         spec = load(config)
@@ -100,6 +101,9 @@ def register(app: typer.Typer, fail, configure_logging) -> None:
         try:
             trainer = Trainer(spec, resume=False, external=external)  # loads the base, restores a checkpoint: may fail too
             summary = trainer.run()
+        except OffPolicy as exc:  # the operator reads why from the last /status (phase failed, reason OffPolicy)
+            write_termination_message(termination_log, trainer.status())
+            fail(exc)
         except (OrbitError, SyncError, RoleDied) as exc:
             fail(exc)  # no termination message: the pod's FallbackToLogsOnError shows this line
         except OSError as exc:

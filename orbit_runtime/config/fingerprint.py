@@ -24,7 +24,7 @@ EXCLUDED = (
     "checkpoint", "eval", "metrics", "sync", "run.output_dir", "run.log_samples", "schedule.steps",
     "rollout.max_restarts", "rollout.kv_cache_gib", "reference.max_restarts", "learner",
     "rollout.gpu_memory_utilization", "rollout.tensor_parallel_size", "rollout.enable_prefix_caching", "rollout.max_num_seqs",
-    "rollout.enforce_eager",
+    "rollout.enforce_eager", "algorithm.max_mismatch", "algorithm.max_mismatch_steps",
 )  # fmt: skip
 
 

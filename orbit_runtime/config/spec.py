@@ -84,6 +84,14 @@ class AlgorithmSpec(Section):
     kl_clamp: float | None = Field(
         10.0, gt=0, description="Bound on the per-token k3 KL estimate (verl's low_var_kl uses 10); null disables it."
     )
+    max_mismatch: float | Literal["auto"] | None = Field(
+        None,
+        description="On-policy guarantee: the bound on mean |learner - rollout| log-prob of the sampled tokens (and of the "
+        "sync's decode canary). Exceeding it for max_mismatch_steps consecutive steps stops the run with reason "
+        "OffPolicy (its checkpoint kept). auto: calibrated as 4x the largest mismatch of the run's first 5 steps (a floor "
+        "measured on a tiny random model would stop real models by mistake). null: off.",
+    )
+    max_mismatch_steps: int = Field(3, ge=1, description="Consecutive steps over algorithm.max_mismatch before the run stops.")
     epochs_per_batch: int = Field(1, ge=1, le=8, description="Passes over each rollout batch.")
     minibatches: int = Field(
         1,
@@ -137,6 +145,10 @@ class RewardSpec(Section):
     function: str = Field(description="Built-in (exact_match, boxed_format, regex) or 'module.path:callable'.")
     weight: float = 1.0
     kwargs: dict[str, Any] = Field(default_factory=dict)
+    max_error_fraction: float = Field(
+        0.5, ge=0, le=1, description="Fail the step (naming this reward) when more than this share of a step's samples "
+        "raise in it; below it a failed sample scores 0 and is counted (orbit_learner_reward_errors_total)."
+    )
 
 
 class RolloutSpec(Section):
@@ -151,6 +163,11 @@ class RolloutSpec(Section):
         1.0, gt=0, le=1, description="Nucleus sampling. Only 1.0 is accepted: the learner scores the full distribution at "
         "`temperature`, and training on a truncated sampler would optimise another policy than the one that acted."
     )
+    truncated: Literal["keep", "mask", "reward"] = Field(
+        "keep", description="Completions cut at max_tokens (finish_reason length): keep (scored like any other), mask "
+        "(left out of the loss: DAPO's overlong filtering) or reward (their reward is truncated_reward)."
+    )
+    truncated_reward: float = Field(0.0, description="The reward of a truncated completion when truncated is 'reward'.")
     use_chat_template: bool = Field(True, description="Wrap prompts with the tokenizer's chat template.")
     kv_cache_gib: int = Field(1, ge=1, description="vLLM CPU KV cache (VLLM_CPU_KVCACHE_SPACE).")
     max_model_len: int = Field(512, ge=32)
@@ -209,7 +226,13 @@ class ScheduleSpec(Section):
 class SyncSpec(Section):
     canary_sequences: int = Field(4, ge=1, description="Fixed sequences scored by both engines after every sync.")
     tolerance: float | None = Field(
-        None, gt=0, description="Max mean |dlogp| on the canary; default 2e-2 (fp16/fp32) or 1e-1 (bf16)."
+        None, gt=0, description="Max mean |dlogp| on the canary. Default: calibrated from the noise floor measured when "
+        "the rollout engine starts (the base model scored by vLLM and the learner): max(3 x floor, floor + 0.005). "
+        "Whatever the tolerance, the served log-probs must also be closer to the new version's than to the previous one's."
+    )
+    decode_tokens: int = Field(
+        8, ge=0, description="At each sync, vLLM samples this many seeded tokens after each canary prompt and the learner "
+        "recomputes their log-probs: the decode path the loss uses (0: off). Exported, and gated by algorithm.max_mismatch."
     )
     retries: int = Field(2, ge=0, description="Reloads under a fresh name before the step fails.")
     canary_completion: str = Field(
@@ -230,7 +253,12 @@ class SyncSpec(Section):
 
 
 class EvalSpec(Section):
-    every_steps: int = Field(10, ge=1, description="Greedy validation every N steps (and at start and end).")
+    every_steps: int = Field(10, ge=1, description="Held-out evaluation every N steps (and at start and end).")
+    samples: int = Field(
+        1, ge=1, description="Completions per held-out prompt. 1: greedy (temperature 0). More: sampled at "
+        "eval.temperature; accuracy is then mean@k and pass@k is reported too."
+    )
+    temperature: float | None = Field(None, ge=0, description="Default: 0 with one sample, rollout.temperature with more.")
     max_tokens: int | None = Field(None, ge=1, description="Default: rollout.max_tokens.")
     reward: RewardSpec | None = Field(
         None,
@@ -323,11 +351,6 @@ class JobSpec(Section):
     def checkpoint_uri(self) -> str:
         """checkpoint.uri, or the run directory's checkpoints/ folder."""
         return self.checkpoint.uri or f"file://{Path(self.run.output_dir).resolve() / self.run.name / 'checkpoints'}"
-
-    def canary_tolerance(self) -> float:
-        if self.sync.tolerance is not None:
-            return self.sync.tolerance
-        return 1e-1 if self.model.dtype == "bf16" else 2e-2
 
 
 def format_validation_error(error: ValidationError, source: str) -> str:

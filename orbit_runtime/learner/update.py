@@ -48,6 +48,11 @@ class UpdateBatch:
     rollout_logprobs: list[torch.Tensor]  # the rollout engine's log-probs of each completion's tokens
     advantages: torch.Tensor  # [B]
     ref_logprobs: list[torch.Tensor] | None = None  # reference log-probs (needed when kl_beta > 0)
+    loss_mask: list[bool] | None = None  # False: the sample is left out of the loss and its denominators
+
+    def trained_length(self, index: int) -> int:
+        """Completion tokens of sample INDEX that the loss counts (0 when it is masked)."""
+        return 0 if self.loss_mask is not None and not self.loss_mask[index] else len(self.pairs[index][1])
 
 
 @dataclass
@@ -101,7 +106,7 @@ def policy_update(
     for _ in range(epochs):
         for chunk in chunks:
             optimizer.zero_grad(set_to_none=True)
-            batch_totals = BatchTotals.of_lengths([len(batch.pairs[i][1]) for i in chunk])
+            batch_totals = BatchTotals.of_lengths([batch.trained_length(i) for i in chunk])
             step_stats = {name: 0.0 for name in STAT_FIELDS}
             for group in limits.plan([lengths[i] for i in chunk]):
                 out = _accumulate(policy, batch, [chunk[j] for j in group], old_rows, batch_totals, loss_config, temperature)
@@ -150,7 +155,9 @@ def _accumulate(
             old_logprobs=padded([old_rows[i] for i in indices]),  # type: ignore[misc]
             rollout_logprobs=padded([batch.rollout_logprobs[i] for i in indices]),
             advantages=batch.advantages[indices].to(device),
-            mask=padded([torch.ones(len(c)) for _, c in pairs]),
+            mask=padded(
+                [torch.full((len(pairs[j][1]),), 1.0 if batch.trained_length(i) else 0.0) for j, i in enumerate(indices)]
+            ),  # fmt: skip
             ref_logprobs=padded([batch.ref_logprobs[i] for i in indices]) if batch.ref_logprobs is not None else None,
             totals=totals,
         )

@@ -94,6 +94,18 @@ LEARNER_MISMATCH_MEAN = Gauge(
 LEARNER_MISMATCH_MAX = Gauge(
     "orbit_learner_mismatch_max_abs_logprob", "Max |learner - rollout| token log-prob, last step.", registry=LEARNER_REGISTRY
 )
+LEARNER_HELDOUT_STDERR = Gauge(
+    "orbit_learner_heldout_accuracy_stderr", "Standard error of orbit_learner_heldout_accuracy over the held-out prompts.",
+    registry=LEARNER_REGISTRY,
+)  # fmt: skip
+LEARNER_MISMATCH_BOUND = Gauge(
+    "orbit_learner_mismatch_bound_abs_logprob", "The mismatch bound in force: algorithm.max_mismatch (set or calibrated), "
+    "else 0.05 (what the OrbitMismatchHigh alert compares with).",
+    registry=LEARNER_REGISTRY,
+)  # fmt: skip
+LEARNER_OFF_POLICY_STEPS = Gauge(
+    "orbit_learner_off_policy_steps", "Consecutive steps whose mismatch exceeded algorithm.max_mismatch.", registry=LEARNER_REGISTRY
+)
 LEARNER_MISMATCH_KL = Gauge("orbit_learner_mismatch_k3_kl", "k3 KL of rollout to learner, last step.", registry=LEARNER_REGISTRY)
 LEARNER_CLIP_FRACTION = Gauge(
     "orbit_learner_importance_ratio_clip_fraction", "Share of tokens whose PPO ratio was clipped.", registry=LEARNER_REGISTRY
@@ -108,7 +120,8 @@ LEARNER_ADAPTER_VERSION = Gauge(
     "orbit_learner_adapter_version", "Adapter version the learner published last.", registry=LEARNER_REGISTRY
 )
 LEARNER_HELDOUT_ACCURACY = Gauge(
-    "orbit_learner_heldout_accuracy", "Greedy accuracy on the held-out prompts, last evaluation.", registry=LEARNER_REGISTRY
+    "orbit_learner_heldout_accuracy", "Accuracy on the held-out prompts (mean@k; greedy with k = 1), last evaluation.",
+    registry=LEARNER_REGISTRY
 )
 LEARNER_UP = Gauge("orbit_learner_up", "1 while the learner runs its loop.", registry=LEARNER_REGISTRY)
 
@@ -125,8 +138,27 @@ SYNC_CANARY_FAILURES = Counter(
     "orbit_sync_canary_failures_total", "Adapter loads rejected by canary verification.", registry=LEARNER_REGISTRY
 )
 SYNC_CANARY_DELTA = Gauge(
-    "orbit_sync_canary_mean_abs_logprob", "Canary mean |learner - rollout| log-prob of the served adapter.", registry=LEARNER_REGISTRY
-)
+    "orbit_sync_canary_mean_abs_logprob", "Canary mean |learner - rollout| log-prob of the served adapter, by path "
+    "(prefill: the fixed canary scored with prompt_logprobs; decode: a seeded continuation sampled by the rollout).",
+    ["path"], registry=LEARNER_REGISTRY,
+)  # fmt: skip
+SYNC_CANARY_SEPARATION = Gauge(
+    "orbit_sync_canary_separation_abs_logprob", "Canary mean |version N - version N-1| learner log-prob: what a stale "
+    "adapter would show.", registry=LEARNER_REGISTRY,
+)  # fmt: skip
+SYNC_CANARY_INCONCLUSIVE = Counter(
+    "orbit_sync_canary_inconclusive_total", "Syncs whose canary could not tell version N from N-1 (they differ by less "
+    "than the check resolves); served on the fresh name alone.", registry=LEARNER_REGISTRY,
+)  # fmt: skip
+SYNC_CANARY_NOISE_FLOOR = Gauge(
+    "orbit_sync_canary_noise_floor_abs_logprob", "Canary mean |dlogp| of the base model (no adapter) between vLLM and the "
+    "learner, measured when the rollout engine starts: the arithmetic noise of this dtype and machine.",
+    registry=LEARNER_REGISTRY,
+)  # fmt: skip
+SYNC_CANARY_TOLERANCE = Gauge(
+    "orbit_sync_canary_tolerance_abs_logprob", "The canary's tolerance (sync.tolerance, or calibrated from the noise floor).",
+    registry=LEARNER_REGISTRY,
+)  # fmt: skip
 
 # ---- rollout (as the learner sees it) --------------------------------------------------
 ROLLOUT_REQUEST_DURATION = Histogram(
@@ -253,7 +285,11 @@ def observe_step(record: dict, per_sample_rewards: list[float]) -> None:
     LEARNER_LR.set(record["learning_rate"])
     SYNC_DURATION.observe(record["sync_seconds"])
     SYNC_BYTES.inc(record["adapter_bytes"])
-    SYNC_CANARY_DELTA.set(record["canary_mean_abs_dlogp"])
+    SYNC_CANARY_DELTA.labels("prefill").set(record["canary_mean_abs_dlogp"])
+    if record.get("canary_decode_mean_abs_dlogp") is not None:
+        SYNC_CANARY_DELTA.labels("decode").set(record["canary_decode_mean_abs_dlogp"])
+    if record.get("canary_separation") is not None:
+        SYNC_CANARY_SEPARATION.set(record["canary_separation"])
 
 
 def observe_start(now: float, adapter_version: int) -> None:
@@ -267,6 +303,7 @@ def observe_start(now: float, adapter_version: int) -> None:
 
 def observe_eval(record: dict) -> None:
     LEARNER_HELDOUT_ACCURACY.set(record["accuracy"])
+    LEARNER_HELDOUT_STDERR.set(record.get("accuracy_stderr", 0.0))
 
 
 def observe_checkpoint(event: dict) -> None:

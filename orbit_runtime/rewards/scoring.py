@@ -1,5 +1,7 @@
-"""Turn completions into rewards with the configured functions; a failing reward never
-stops training: the samples it fails on get 0 and are counted."""
+"""Turn completions into rewards with the configured functions. A reward that raises on a
+few samples does not stop training: those samples get 0 and are counted. When it raises on
+more than its `max_error_fraction` of a step's samples, the step fails with RewardsFailed
+naming it: a reward that mostly fails would otherwise train on zeros."""
 
 from __future__ import annotations
 
@@ -38,6 +40,10 @@ def load_reward_function(name: str) -> RewardFn:
     return fn
 
 
+class RewardsFailed(OrbitError):
+    """A reward function raised on more than its max_error_fraction of the samples."""
+
+
 @dataclass
 class RewardResult:
     total: list[float]  # weighted sum per sample
@@ -51,6 +57,7 @@ class RewardScorer:
     def __init__(self, specs: list[RewardSpec]) -> None:
         self.specs = specs
         self.functions = [load_reward_function(spec.function) for spec in specs]
+        self.last_error: dict[str, str] = {}  # per function: the last exception, for RewardsFailed's message
 
     def _call(self, fn: RewardFn, kwargs: dict[str, Any], completions: list[str]) -> list[Any]:
         result = fn(completions, **kwargs)
@@ -71,6 +78,13 @@ class RewardScorer:
                 values = self._call(fn, base_kwargs, completions)
             except Exception:
                 values = self._score_one_by_one(spec, fn, completions, prompts, answers, errors)
+            failed = errors.get(spec.function, 0)
+            if failed > spec.max_error_fraction * len(completions):
+                index = self.specs.index(spec)
+                raise RewardsFailed(
+                    f"reward {spec.function} (rewards[{index}]) raised on {failed} of {len(completions)} samples, more than "
+                    f"its max_error_fraction {spec.max_error_fraction}; last error: {self.last_error.get(spec.function)}"
+                )
             clean = [float(v) if v is not None else 0.0 for v in values]
             per_function[spec.function] = clean
             totals = [t + spec.weight * v for t, v in zip(totals, clean, strict=True)]
@@ -85,6 +99,7 @@ class RewardScorer:
                 values.append(self._call(fn, kwargs, [completion])[0])
             except Exception as exc:  # a user's reward must not kill the run
                 errors[spec.function] = errors.get(spec.function, 0) + 1
+                self.last_error[spec.function] = f"{type(exc).__name__}: {exc}"
                 log.warning("reward %s failed on sample %d: %s: %s", spec.function, i, type(exc).__name__, exc)
                 values.append(0.0)
         return values

@@ -31,7 +31,9 @@ def sampling_seeds(run_seed: int, step: int, count: int) -> list[int]:
 def encode_prompt(tokenizer, example: Example, use_chat_template: bool) -> list[int]:
     """Token ids of EXAMPLE's prompt, wrapped in the tokenizer's chat template when it has one."""
     if use_chat_template and tokenizer.chat_template:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": example.prompt}], add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": example.prompt}], add_generation_prompt=True, tokenize=False
+        )
     else:
         text = example.prompt
     return tokenizer.encode(text, add_special_tokens=False)
@@ -48,6 +50,14 @@ def canary_pairs(spec: JobSpec, tokenizer, examples: list[Example]) -> list[tupl
     return pairs
 
 
+def truncated_rewards(totals: list[float], truncated: list[bool], mode: str, reward: float) -> list[float]:
+    """rollout.truncated == 'reward' (DAPO's overlong reward): a completion cut at max_tokens gets REWARD
+    instead of its score; 'keep' and 'mask' leave the rewards as scored."""
+    if mode != "reward":
+        return list(totals)
+    return [reward if cut else total for total, cut in zip(totals, truncated, strict=True)]
+
+
 @dataclass
 class RolloutBatch:
     """One step's samples, scored."""
@@ -59,6 +69,12 @@ class RolloutBatch:
     rewards: RewardResult
     advantages: torch.Tensor
     ref_logprobs: list[torch.Tensor] | None
+    mask_truncated: bool = False  # rollout.truncated == "mask": truncated samples are left out of the loss
+
+    @property
+    def truncated(self) -> list[bool]:
+        """Which completions were cut at rollout.max_tokens (vLLM's finish_reason 'length')."""
+        return [c.finish_reason == "length" for c in self.completions]
 
     def for_update(self) -> UpdateBatch:
         return UpdateBatch(
@@ -66,6 +82,7 @@ class RolloutBatch:
             rollout_logprobs=[torch.tensor(c.logprobs) for c in self.completions],
             advantages=self.advantages,
             ref_logprobs=self.ref_logprobs,
+            loss_mask=[not t for t in self.truncated] if self.mask_truncated else None,
         )
 
     @property
@@ -108,6 +125,8 @@ class BatchBuilder:
         texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
         per_sample = [e for e in examples for _ in range(group)]
         rewards = self.scorer.score(texts, [e.prompt for e in per_sample], [e.answer for e in per_sample])
+        truncated = [c.finish_reason == "length" for c in completions]
+        rewards.total = truncated_rewards(rewards.total, truncated, spec.rollout.truncated, spec.rollout.truncated_reward)
         advantages = group_advantages(torch.tensor(rewards.total), group, spec.algorithm.normalize_advantage_std)
         timings["reward_s"] = time.monotonic() - t
 
@@ -117,4 +136,5 @@ class BatchBuilder:
             pairs = [(c.prompt_ids, c.token_ids) for c in completions]
             ref = self.reference.logprobs(pairs, spec.rollout.temperature)
         timings["reference_s"] = time.monotonic() - t
-        return RolloutBatch(indices, examples, completions, texts, rewards, advantages, ref)
+        return RolloutBatch(indices, examples, completions, texts, rewards, advantages, ref,
+                            mask_truncated=spec.rollout.truncated == "mask")  # fmt: skip

@@ -1,15 +1,36 @@
-"""Held-out evaluation: greedy completions of the validation prompts through the rollout
-engine (the served adapter), scored by `eval.reward`."""
+"""Held-out evaluation: completions of the validation prompts through the rollout engine (the
+served adapter), scored by `eval.reward`.
+
+One greedy completion per prompt by default; with `eval.samples` k > 1, k completions at
+`eval.temperature` (default rollout.temperature), seeded the same way at every evaluation so
+two evaluations differ by the policy, not by the draw. Accuracy is the mean over prompts of
+each prompt's mean score (mean@k), reported with its standard error over prompts (the
+prompts are the sample; with k > 1 each prompt's mean is one observation); pass@k is the
+mean over prompts of the best of the k scores.
+"""
 
 from __future__ import annotations
+
+import math
 
 from orbit_runtime.config.spec import JobSpec, RewardSpec
 from orbit_runtime.data.datasets import Example
 from orbit_runtime.rewards.scoring import RewardScorer
-from orbit_runtime.trainer.batch import BatchBuilder
+from orbit_runtime.trainer.batch import BatchBuilder, sampling_seeds
 from orbit_runtime.trainer.roles import RolloutRole
 
 SAMPLES_PER_EVAL = 3  # completions kept in the eval row (shown in the report)
+EVAL_SEED_STEP = -1  # the seeds' "step" for evaluation: the same draw at every evaluation
+
+
+def mean_and_stderr(values: list[float]) -> tuple[float, float]:
+    """The mean of VALUES and its standard error (sample std / sqrt(n); 0 for a single value)."""
+    n = len(values)
+    mean = sum(values) / n
+    if n < 2:
+        return mean, 0.0
+    variance = sum((v - mean) ** 2 for v in values) / (n - 1)
+    return mean, math.sqrt(variance / n)
 
 
 def eval_reward_spec(spec: JobSpec) -> RewardSpec:
@@ -18,6 +39,14 @@ def eval_reward_spec(spec: JobSpec) -> RewardSpec:
         return spec.eval.reward
     kwargs = next((r.kwargs for r in spec.rewards if r.function == "exact_match"), {})
     return RewardSpec(function="exact_match", kwargs=kwargs)
+
+
+def describe_eval(row: dict) -> str:
+    """'83.3% ± 4.1% (64 prompts, greedy)': an eval row's accuracy with its standard error."""
+    k = row.get("samples_per_prompt", 1)
+    how = "greedy" if k == 1 and not row.get("temperature") else f"mean@{k} at T={row.get('temperature', 0):g}"
+    extra = f", pass@{k} {row['pass_at_k']:.1%}" if k > 1 and row.get("pass_at_k") is not None else ""
+    return f"{row['accuracy']:.1%} ± {row.get('accuracy_stderr', 0.0):.1%} ({row['examples']} prompts, {how}{extra})"
 
 
 class Evaluator:
@@ -30,27 +59,44 @@ class Evaluator:
         self.metric = eval_reward_spec(spec)
         self.accuracy_scorer = RewardScorer([self.metric])
 
+    @property
+    def temperature(self) -> float:
+        configured = self.spec.eval.temperature
+        if configured is not None:
+            return configured
+        return 0.0 if self.spec.eval.samples == 1 else self.spec.rollout.temperature
+
     def evaluate(self, step: int) -> dict:
-        """One eval row: held-out accuracy (mean of eval.reward), the training rewards' mean, a few samples."""
-        examples = self.examples
+        """One eval row: held-out accuracy (mean@k of eval.reward) with its standard error, pass@k, the
+        training rewards' mean, a few samples."""
+        examples, k, temperature = self.examples, self.spec.eval.samples, self.temperature
         prompts = [self.builder.encode_prompt(e) for e in examples]
         max_tokens = self.spec.eval.max_tokens or self.spec.rollout.max_tokens
+        seeds = sampling_seeds(self.spec.schedule.seed, EVAL_SEED_STEP, len(prompts)) if temperature > 0 else None
         groups = self.rollout.call(
-            lambda c: c.generate(prompts, model=self.rollout.served_name, n=1, max_tokens=max_tokens, temperature=0.0), kind="eval"
-        )
-        texts = [self.tokenizer.decode(g[0].token_ids, skip_special_tokens=True) for g in groups]
-        prompt_texts, answers = [e.prompt for e in examples], [e.answer for e in examples]
+            lambda c: c.generate(prompts, model=self.rollout.served_name, n=k, max_tokens=max_tokens, temperature=temperature,
+                                 seed=seeds), kind="eval",
+        )  # fmt: skip
+        texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for g in groups for c in g]
+        prompt_texts = [e.prompt for e in examples for _ in range(k)]
+        answers = [e.answer for e in examples for _ in range(k)]
         scores = self.accuracy_scorer.score(texts, prompt_texts, answers).per_function[self.metric.function]
+        per_prompt = [scores[i * k : (i + 1) * k] for i in range(len(examples))]
+        accuracy, stderr = mean_and_stderr([sum(s) / k for s in per_prompt])
         rewards = self.builder.scorer.score(texts, prompt_texts, answers)
         return {
             "kind": "eval",
             "step": step,
-            "accuracy": sum(scores) / len(scores),
+            "accuracy": accuracy,
+            "accuracy_stderr": stderr,
+            "pass_at_k": sum(max(s) for s in per_prompt) / len(per_prompt),
+            "samples_per_prompt": k,
+            "temperature": temperature,
             "accuracy_metric": self.metric.function,
             "reward_mean": sum(rewards.total) / len(rewards.total),
             "examples": len(examples),
             "samples": [
                 {"prompt": p, "completion": t, "answer": a, "score": s}
-                for p, t, a, s in list(zip(prompt_texts, texts, answers, scores, strict=True))[:SAMPLES_PER_EVAL]
+                for p, t, a, s in list(zip(prompt_texts, texts, answers, scores, strict=True))[: SAMPLES_PER_EVAL * k : k]
             ],
         }

@@ -51,9 +51,10 @@ from orbit_runtime.trainer.checkpointing import (
     restore_cuda_rng,
     restore_rng,
 )
-from orbit_runtime.trainer.evaluation import Evaluator
-from orbit_runtime.trainer.recorder import RunRecorder, RunState, sample_rows, status_document, step_row
-from orbit_runtime.trainer.roles import ExternalRoles, ReferenceRole, RolloutRole, rollout_server_config
+from orbit_runtime.trainer.evaluation import Evaluator, describe_eval
+from orbit_runtime.trainer.on_policy import OffPolicy, OnPolicyGuard
+from orbit_runtime.trainer.recorder import RunRecorder, RunState, sample_rows, signal_health, status_document, step_row
+from orbit_runtime.trainer.roles import DecodeCanary, ExternalRoles, ReferenceRole, RolloutRole, rollout_server_config
 from orbit_runtime.trainer.rollback import StepSnapshot
 from orbit_runtime.trainer.stopping import StopController, Stopped
 
@@ -78,7 +79,6 @@ def loss_config(spec: JobSpec) -> LossConfig:
 
 class Trainer:
     """One run of the RL loop. RESUME/RESUME_FROM: see checkpointing.plan_resume."""
-
 
     def __init__(self, spec: JobSpec, console=None, *, resume: bool = False, resume_from: str | None = None,
                  external: ExternalRoles | None = None) -> None:  # fmt: skip
@@ -115,9 +115,17 @@ class Trainer:
         self.state = RunState()
         self.recorder = RunRecorder(self.paths, self.state, spec.run.name, spec)
         self.stop = StopController()
+        decode = (
+            DecodeCanary(spec.sync.decode_tokens, spec.rollout.temperature, spec.schedule.seed)
+            if spec.sync.decode_tokens
+            else None
+        )
         self.rollout = RolloutRole(rollout_server_config(spec, self.paths.logs / "vllm.log", self.device), canary_pairs(spec, self.tokenizer, self.splits.validation),
-                                   spec.canary_tolerance(), spec.sync.retries, spec.rollout.max_restarts,
-                                   external.rollout_url, external.wait_s)  # fmt: skip
+                                   spec.sync.tolerance, spec.sync.retries, spec.rollout.max_restarts,
+                                   external.rollout_url, external.wait_s, decode)  # fmt: skip
+        self.on_policy = OnPolicyGuard.from_spec(spec.algorithm.max_mismatch, spec.algorithm.max_mismatch_steps)
+        self.stop_reason: str | None = None
+        self.off_policy: OffPolicy | None = None
         self.reference = ReferenceRole(spec.reference.mode, self.policy, Path(spec.model.path), self.learner_dtype,
                                        self.paths.logs / "reference.log", spec.reference.max_restarts, self.limits,
                                        external.reference_url, external.wait_s)  # fmt: skip
@@ -132,7 +140,9 @@ class Trainer:
         removed = self.checkpoints.remove_torn()
         if removed:
             self.recorder.record({"kind": "checkpoint_cleanup", "removed_steps": removed})
-            self._say(f"removed torn checkpoint(s) of step {', '.join(map(str, removed))} under {self.checkpoints.uri} (never completed)")
+            self._say(
+                f"removed torn checkpoint(s) of step {', '.join(map(str, removed))} under {self.checkpoints.uri} (never completed)"
+            )
 
     # ---- checkpoints ---------------------------------------------------------------------
     def _restore(self) -> None:
@@ -151,6 +161,7 @@ class Trainer:
         state.resumed_from = self.checkpoints.plan.entry.uri
         self.paths.start_fresh(keep_samples=True)
         self.recorder.restore(saved.metrics)
+        self.on_policy.restore(state.steps)
         self._first_step_report = {"kind": "resume", "from": state.resumed_from, "from_step": saved.step,
                                    "restore_seconds": time.monotonic() - started}  # fmt: skip
         self._say(self.checkpoints.plan.note)
@@ -205,6 +216,10 @@ class Trainer:
     # ---- roles ---------------------------------------------------------------------------
     def start_roles(self) -> None:
         self.rollout.start()
+        floor = self.rollout.calibrate(self.policy)
+        tolerance = self.rollout.sync.tolerance
+        self._say(f"canary noise floor {floor:.2e} mean |dlogp| ({self.spec.model.dtype}, base model on both engines); "
+                  f"tolerance {tolerance:.2e}" + (" (sync.tolerance)" if self.spec.sync.tolerance else " (calibrated)"))  # fmt: skip
         if self.state.adapter_version > 0:  # resumed: serve the checkpoint's adapter version again
             path, _ = publish_adapter(self.policy, self.paths.adapters, self.state.adapter_version)
             self.rollout.publish(self.policy, self.state.adapter_version, path)
@@ -216,7 +231,9 @@ class Trainer:
     def write_processes(self) -> None:
         """processes.json: pids and URLs of the roles, for operators and tests."""
         self._restarts_written = (self.rollout.restarts, self.reference.restarts)
-        roles: dict = {"learner": {"pid": os.getpid(), **({"metrics_url": self.metrics_server.url} if self.metrics_server else {})}}
+        roles: dict = {
+            "learner": {"pid": os.getpid(), **({"metrics_url": self.metrics_server.url} if self.metrics_server else {})}
+        }
         for name, role in (("rollout", self.rollout), ("reference", self.reference)):
             if role.server is not None and role.server.pid is not None:
                 roles[name] = {"pid": role.server.pid, "url": role.server.base_url, "restarts": role.restarts}
@@ -267,7 +284,9 @@ class Trainer:
                 del state.rows[counters[3] :]
                 if updated:
                     metrics.LEARNER_STEP_ROLLBACKS.inc()
-                    log.warning("step %d failed after its update; rolled back to the state after step %d", state.step + 1, state.step)
+                    log.warning(
+                        "step %d failed after its update; rolled back to the state after step %d", state.step + 1, state.step
+                    )
             raise
 
     def _commit(self, batch: RolloutBatch, update: UpdateResult, lr: float, timings: dict[str, float], started: float) -> dict:
@@ -286,12 +305,14 @@ class Trainer:
             self.write_processes()
         self.recorder.record_samples(sample_rows(state.step, batch, self.spec.rollout.group_size, self.spec.run.log_samples))
         restarts = {"rollout_restarts": self.rollout.restarts, "reference_restarts": self.reference.restarts}
-        row = self.recorder.record(step_row(state.step, version, batch, update, sync, lr=lr, adapter_bytes=size, timings=timings,
-                                            step_seconds=time.monotonic() - started, restarts=restarts,
-                                            memory=self.peak_memory.read()))  # fmt: skip
+        row = step_row(state.step, version, batch, update, sync, lr=lr, adapter_bytes=size, timings=timings,
+                       step_seconds=time.monotonic() - started, restarts=restarts, memory=self.peak_memory.read())  # fmt: skip
+        on_policy, off_policy = self.on_policy.check(row, [*state.steps, row])
+        row = self.recorder.record({**row, **on_policy})
         metrics.LEARNER_ADAPTER_VERSION.set(version)
         metrics.SYNC_ROLLOUT_VERSION.set(version)
         metrics.observe_step(row, batch.rewards.total)
+        self.off_policy = off_policy  # raised by run() after this step: it is committed, its checkpoint kept
         return row
 
     # ---- the run -------------------------------------------------------------------------
@@ -318,24 +339,31 @@ class Trainer:
             self.phase = "running"
             if not self.state.evals:
                 before = self.evaluate()
-                self._say(f"held-out accuracy before RL: {before['accuracy']:.1%} ({before['examples']} prompts, greedy)")
+                self._say(f"held-out accuracy before RL: {describe_eval(before)}")
             columns = [TextColumn("[bold]RL"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                        TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn()]  # fmt: skip
             with Progress(*columns, console=self.console, transient=False) as progress:
                 task = progress.add_task("train", total=total, completed=self.state.step, info="")
                 while self.state.step < total:
                     row = self.step()
+                    if self.off_policy is not None:
+                        raise self.off_policy
                     self._after_step(total)
-                    acc = self.state.evals[-1]["accuracy"]
+                    last = self.state.evals[-1]
                     progress.update(task, completed=self.state.step, info=(
-                        f"reward {row['reward_mean']:.2f} | held-out {acc:.0%} | mismatch {row['mismatch_mean_abs']:.1e} "
+                        f"reward {row['reward_mean']:.2f} | held-out {last['accuracy']:.0%}±{last.get('accuracy_stderr', 0):.0%} "
+                        f"| mismatch {row['mismatch_mean_abs']:.1e} "
                         f"| {row['tokens_per_second']:.0f} tok/s"))  # fmt: skip
             after = self.evaluate()
-            self._say(f"held-out accuracy after RL:  {after['accuracy']:.1%} (step {self.state.step})")
+            self._say(f"held-out accuracy after RL:  {describe_eval(after)} (step {self.state.step})")
             self.phase = "succeeded"
         except Stopped:
             interrupted, self.phase = True, "stopped"
             self._say(f"stopped at step {self.state.step} ({self.stop.name}); servers shut down")
+        except OffPolicy as exc:
+            self.phase, self.stop_reason = "failed", exc.reason
+            self._say(f"[red]{exc}")
+            raise
         finally:
             self.phase = "failed" if self.phase in ("starting", "running") else self.phase
             with self.stop.deferred():  # stop signals are recorded, never raised, while shutting down
@@ -350,6 +378,7 @@ class Trainer:
         """Serve /metrics and /healthz (if metrics.port is set) and start the progress clocks."""
         metrics.register_resources("learner")
         metrics.observe_start(time.time(), self.state.adapter_version)
+        self.on_policy.export()
         if self.spec.metrics.port is None:
             return
         self.metrics_server = MetricsServer(metrics.LEARNER_REGISTRY, self.spec.metrics.host, self.spec.metrics.port,
@@ -359,8 +388,10 @@ class Trainer:
     def status(self) -> dict:
         """The `/status` document (see recorder.status_document)."""
         restarts = {"rollout": self.rollout.restarts, "reference": self.reference.restarts}
+        signal = signal_health(self.state.steps, self.on_policy.health(), self.rollout.noise_floor)
         return status_document(self.state, phase=self.phase, max_steps=self.max_steps, checkpoint_uri=self.checkpoints.uri,
-                               last_checkpoint_step=self.checkpoints.stats.last_success_step, restarts=restarts)  # fmt: skip
+                               last_checkpoint_step=self.checkpoints.stats.last_success_step, restarts=restarts,
+                               signal=signal, reason=self.stop_reason)  # fmt: skip
 
     def _after_step(self, total: int) -> None:
         """Between two steps: resume report, checkpoint, evaluation; then honour a pending stop."""
@@ -386,7 +417,12 @@ class Trainer:
         evals, stats = self.state.evals, self.checkpoints.stats
         return self.recorder.write_summary({
             "heldout_accuracy_before": evals[0]["accuracy"] if evals else None,
+            "heldout_accuracy_before_stderr": evals[0].get("accuracy_stderr") if evals else None,
             "heldout_accuracy_after": evals[-1]["accuracy"] if len(evals) > 1 else None,
+            "heldout_accuracy_after_stderr": evals[-1].get("accuracy_stderr") if len(evals) > 1 else None,
+            "heldout_pass_at_k_after": evals[-1].get("pass_at_k") if len(evals) > 1 else None,
+            "heldout_prompts": evals[-1]["examples"] if evals else None,
+            "heldout_samples_per_prompt": self.spec.eval.samples,
             "steps": self.state.step,
             "wall_seconds": round(self.state.wall_seconds, 1),
             "adapter_version": self.state.adapter_version,
@@ -399,6 +435,10 @@ class Trainer:
             "checkpoint_uri": self.checkpoints.uri,
             "last_checkpoint_step": stats.last_success_step,
             "checkpoint_failures": stats.failures,
+            "stop_reason": self.stop_reason,
+            "canary_noise_floor": self.rollout.noise_floor,
+            "canary_inconclusive_syncs": sum(1 for r in self.state.steps if r.get("canary_verdict") == "inconclusive"),
+            "on_policy": self.on_policy.health(),
         })  # fmt: skip
 
     def _say(self, text: str) -> None:

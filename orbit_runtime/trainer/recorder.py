@@ -41,20 +41,45 @@ class RunState:
         return self.elapsed_before + time.monotonic() - self.started
 
 
+def signal_health(steps: list[dict], on_policy: dict | None, noise_floor: float | None) -> dict:
+    """The `/status` document's view of the RL signal: the canary (prefill and decode paths) and
+    the step's train-rollout mismatch, and the on-policy guard's state."""
+    last = steps[-1] if steps else {}
+    return {
+        "canary": {
+            "verdict": last.get("canary_verdict"),
+            "prefillMeanAbsDlogp": last.get("canary_mean_abs_dlogp"),
+            "previousVersionMeanAbsDlogp": last.get("canary_previous_mean_abs_dlogp"),
+            "decodeMeanAbsDlogp": last.get("canary_decode_mean_abs_dlogp"),
+            "tolerance": last.get("canary_tolerance"),
+            "noiseFloor": noise_floor,
+        },
+        "mismatch": {"meanAbsDlogp": last.get("mismatch_mean_abs"), "maxAbsDlogp": last.get("mismatch_max_abs")},
+        "onPolicy": on_policy,
+    }
+
+
 def status_document(state: RunState, *, phase: str, max_steps: int, checkpoint_uri: str, last_checkpoint_step: int | None,
-                    restarts: dict[str, int]) -> dict:  # fmt: skip
-    """The learner's `/status` JSON: what the operator copies into the RLTrainingJob's status."""
+                    restarts: dict[str, int], signal: dict | None = None, reason: str | None = None) -> dict:  # fmt: skip
+    """The learner's `/status` JSON: what the operator copies into the RLTrainingJob's status.
+    REASON: why a failed run stopped (e.g. OffPolicy); SIGNAL: signal_health."""
     steps, evals = state.steps, state.evals
+    last_eval = evals[-1] if evals else {}
     return {
         "phase": phase,  # starting, running, succeeded, stopped, failed
+        "reason": reason,
         "step": state.step,
         "maxSteps": max_steps,
         "reward": steps[-1]["reward_mean"] if steps else None,
-        "heldoutAccuracy": evals[-1]["accuracy"] if evals else None,
+        "heldoutAccuracy": last_eval.get("accuracy"),
+        "heldoutStderr": last_eval.get("accuracy_stderr"),
+        "heldoutPrompts": last_eval.get("examples"),
+        "signal": signal,
         "adapterVersion": state.adapter_version,
         "lastCheckpoint": (
             {"uri": f"{checkpoint_uri.rstrip('/')}/{step_dir(last_checkpoint_step)}", "step": last_checkpoint_step}
-            if last_checkpoint_step else None
+            if last_checkpoint_step
+            else None
         ),
         "restarts": dict(restarts),
         "resumedFrom": state.resumed_from,
@@ -101,10 +126,26 @@ def step_row(step: int, adapter_version: int, batch: RolloutBatch, update: Updat
         "samples": len(batch.completions), "tokens": batch.tokens, "prompt_indices": batch.indices,
         "tokens_per_second": batch.tokens / step_seconds,
         "adapter_version": adapter_version, "adapter_bytes": adapter_bytes,
-        "sync_seconds": sync.seconds, "sync_attempts": sync.attempts, "canary_mean_abs_dlogp": sync.canary_mean_abs_dlogp,
+        "sync_seconds": sync.seconds, "sync_attempts": sync.attempts, **canary_fields(sync),
+        "truncated": sum(batch.truncated),
         **restarts, "step_seconds": step_seconds,
         **{k: round(v, 4) for k, v in timings.items()},
     }  # fmt: skip
+
+
+def canary_fields(sync: SyncResult) -> dict:
+    """The sync's canary figures in a step row: prefill vs this version and the previous one, the
+    verdict, the tolerance, and the decode path."""
+    decode = sync.decode
+    return {
+        "canary_mean_abs_dlogp": sync.canary_mean_abs_dlogp,
+        "canary_previous_mean_abs_dlogp": sync.canary_previous_mean_abs_dlogp,
+        "canary_separation": sync.canary_separation,
+        "canary_verdict": sync.canary_verdict,
+        "canary_tolerance": sync.canary_tolerance,
+        "canary_decode_mean_abs_dlogp": decode.mean_abs_dlogp if decode else None,
+        "canary_decode_max_abs_dlogp": decode.max_abs_dlogp if decode else None,
+    }
 
 
 def _sample_step(line: str) -> float:

@@ -36,7 +36,9 @@ def _chart(title: str, series: dict[str, list[tuple[float, float]]]) -> str:
         color = colors[i % len(colors)]
         coords = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in values if math.isfinite(y))
         parts.append(f"<polyline fill='none' stroke='{color}' stroke-width='2' points='{coords}'/>")
-        parts.append(f"<text x='{WIDTH - PAD - 140}' y='{PAD + 14 * i}' font-size='11' fill='{color}'>{html.escape(label)}</text>")
+        parts.append(
+            f"<text x='{WIDTH - PAD - 140}' y='{PAD + 14 * i}' font-size='11' fill='{color}'>{html.escape(label)}</text>"
+        )
     svg = f"<svg width='{WIDTH}' height='{HEIGHT}' xmlns='http://www.w3.org/2000/svg'>{''.join(parts)}</svg>"
     return f"<div class='chart'><h3>{html.escape(title)}</h3>{svg}</div>"
 
@@ -50,7 +52,7 @@ def _eval_samples(evals: list[dict]) -> str:
             rows.append("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in cells) + "</tr>")
     if not rows:
         return ""
-    head = "<tr><th>step</th><th>prompt</th><th>completion (greedy)</th><th>answer</th><th>score</th></tr>"
+    head = "<tr><th>step</th><th>prompt</th><th>completion</th><th>answer</th><th>score</th></tr>"
     return f"<h2>Held-out samples</h2><table>{head}{''.join(rows)}</table>"
 
 
@@ -62,9 +64,27 @@ def render_report(name: str, steps: list[dict], evals: list[dict], summary: dict
 
     charts = [
         _chart("Training reward (mean)", {"reward": series("reward_mean", steps)}),
-        _chart("Held-out accuracy (greedy)", {"accuracy": series("accuracy", evals)}),
+        _chart(
+            "Held-out accuracy ± standard error",
+            {
+                "accuracy": series("accuracy", evals),
+                "+1 s.e.": [
+                    (x, y + (r.get("accuracy_stderr") or 0.0)) for (x, y), r in zip(series("accuracy", evals), evals, strict=True)
+                ],
+                "-1 s.e.": [
+                    (x, y - (r.get("accuracy_stderr") or 0.0)) for (x, y), r in zip(series("accuracy", evals), evals, strict=True)
+                ],
+            },
+        ),  # fmt: skip
         _chart("Held-out reward (greedy)", {"reward": series("reward_mean", evals)}),
-        _chart("Train-rollout mismatch, mean |dlogp|", {"mean |dlogp|": series("mismatch_mean_abs", steps)}),
+        _chart(
+            "Train-rollout mismatch, mean |dlogp|",
+            {
+                "batch (decode)": series("mismatch_mean_abs", steps),
+                "canary prefill": series("canary_mean_abs_dlogp", steps),
+                "canary decode": series("canary_decode_mean_abs_dlogp", steps),
+            },
+        ),
         _chart("Adapter sync latency (s)", {"sync": series("sync_seconds", steps)}),
         _chart("Step time (s)", {"step": series("step_seconds", steps)}),
         _chart("Loss", {"loss": series("loss", steps)}),

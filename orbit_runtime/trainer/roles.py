@@ -10,6 +10,7 @@ verified against the canary expectations kept for THAT version.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -29,7 +30,7 @@ from orbit_runtime.processes import ManagedServer
 from orbit_runtime.reference.client import ReferenceClient, ReferenceServer
 from orbit_runtime.rollout.client import RolloutClient
 from orbit_runtime.rollout.server import VLLMServer, VLLMServerConfig
-from orbit_runtime.sync.adapter_sync import AdapterSync, Canary, SyncResult, canary_expectations
+from orbit_runtime.sync.adapter_sync import AdapterSync, Canary, SyncResult, canary_expectations, decode_canary
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -160,16 +161,31 @@ class SupervisedRole:
                 self._restart(exc)
 
 
+@dataclass(frozen=True)
+class DecodeCanary:
+    """The decode-path check at each sync: TOKENS seeded tokens sampled at TEMPERATURE per canary prompt."""
+
+    tokens: int = 8
+    temperature: float = 1.0
+    seed: int = 0
+
+
 class RolloutRole(SupervisedRole):
-    """vLLM with verified adapter versions."""
+    """vLLM with verified adapter versions.
+
+    TOLERANCE None: calibrated from the noise floor, which `calibrate` measures (the base
+    model scored by both engines) before the first adapter is served."""
 
     role = "rollout"
 
-    def __init__(self, config: VLLMServerConfig, canary: Canary, tolerance: float, retries: int, max_restarts: int,
-                 url: str | None = None, wait_s: float = 600.0) -> None:  # fmt: skip
+    def __init__(self, config: VLLMServerConfig, canary: Canary, tolerance: float | None, retries: int, max_restarts: int,
+                 url: str | None = None, wait_s: float = 600.0, decode: DecodeCanary | None = None) -> None:  # fmt: skip
         super().__init__(max_restarts, metrics.ROLLOUT_RESTARTS, url, wait_s)
         self.config = config
         self.canary, self.tolerance, self.retries = canary, tolerance, retries
+        self.decode = decode
+        self.noise_floor: float | None = None
+        self._base_expected: list[torch.Tensor] | None = None
         self.client: RolloutClient | None = None
         self.sync: AdapterSync | None = None
         self.failures_before = 0  # canary failures on servers that died
@@ -179,13 +195,19 @@ class RolloutRole(SupervisedRole):
     def start(self) -> None:
         if self.url is not None:  # the pod's rollout container
             self.client = RolloutClient(self.url)
-            self.sync = AdapterSync(self.client, self.canary, self.tolerance, self.retries)
             self.wait_until_up()
-            return
-        self.config.port = 0  # a fresh port: an old one may linger in TIME_WAIT
-        self.server = VLLMServer(self.config).start()
-        self.client = RolloutClient(self.server.base_url)
+        else:
+            self.config.port = 0  # a fresh port: an old one may linger in TIME_WAIT
+            self.server = VLLMServer(self.config).start()
+            self.client = RolloutClient(self.server.base_url)
         self.sync = AdapterSync(self.client, self.canary, self.tolerance, self.retries)
+        self.sync.noise_floor = self.noise_floor  # a restarted engine: the same dtype and machine
+
+    def calibrate(self, policy) -> float:
+        """Measure the canary's noise floor: POLICY's base (adapter off) vs vLLM's base model."""
+        self._base_expected = canary_expectations(policy, self.canary, base=True)
+        self.noise_floor = self.call(lambda _client: self.sync.measure_noise_floor(self._base_expected), kind="sync")
+        return self.noise_floor
 
     def stop(self) -> None:
         if self.sync is not None:
@@ -246,12 +268,20 @@ class RolloutRole(SupervisedRole):
         return client is not None and client.healthy()
 
     def publish(self, policy, version: int, path: Path) -> SyncResult:
-        """Serve adapter VERSION (POLICY's current weights, published at PATH), verified."""
+        """Serve adapter VERSION (POLICY's current weights, published at PATH), verified on the canary
+        against this version and the one before (the base model before v1), then on the decode path."""
         expected = canary_expectations(policy, self.canary)
         self._expected[version] = expected
-        result = self.call(lambda _client: self.sync.sync(version, path, expected), kind="sync")
+        previous = self._expected.get(version - 1, self._base_expected if version == 1 else None)
+        result = self.call(lambda _client: self.sync.sync(version, path, expected, previous), kind="sync")
         self.current = (version, path)
         self._expected = {v: e for v, e in self._expected.items() if v >= version}
+        if self.decode is not None:
+            d = self.decode
+            prompts = [prompt for prompt, _ in self.canary]
+            stats = self.call(lambda client: decode_canary(client, policy, prompts, self.served_name, tokens=d.tokens,
+                                                           temperature=d.temperature, seed=d.seed), kind="canary")  # fmt: skip
+            result = dataclasses.replace(result, decode=stats)
         return result
 
 

@@ -45,32 +45,44 @@ def _step_record(step: int) -> dict:
         "mismatch_mean_abs": 0.002, "mismatch_max_abs": 0.03, "mismatch_k3_kl": 1e-5, "clip_fraction": 0.1,
         "is_weight_mean": 0.99, "loss": -0.1, "grad_norm": 0.7, "learning_rate": 1e-4, "adapter_version": step,
         "adapter_bytes": 1000, "sync_seconds": 0.2, "canary_mean_abs_dlogp": 1e-4,
+        "canary_decode_mean_abs_dlogp": 2e-3,
     }  # fmt: skip
 
 
 def test_observe_step_and_checkpoint_reach_the_exposition():
     before = _families(metrics.LEARNER_REGISTRY)
-    samples_before = before["orbit_learner_samples"].samples[0].value
+
+    def sample(families, name, suffix="", **labels):
+        for s in families[name].samples:
+            if s.name == name + suffix and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
+        raise KeyError(name)
+
+    # counters and histograms carry what earlier tests in this process added: compare deltas
+    counted = {key: sample(before, *key) for key in [("orbit_learner_samples", "_total"), ("orbit_learner_reward", "_count"),
+                                                      ("orbit_checkpoint_failures", "_total"), ("orbit_sync_bytes", "_total")]}  # fmt: skip
     metrics.observe_step(_step_record(7), [0.0, 0.5, 1.0])
     metrics.observe_checkpoint({"time": 1234.0, "step": 7, "ok": True, "seconds": 0.3, "bytes": 4096})
     metrics.observe_checkpoint({"time": 1240.0, "step": 8, "ok": False, "seconds": 5.0, "error": "x"})
     after = _families(metrics.LEARNER_REGISTRY)
 
     def value(name, suffix="", **labels):
-        for s in after[name].samples:
-            if s.name == name + suffix and all(s.labels.get(k) == v for k, v in labels.items()):
-                return s.value
-        raise KeyError(name)
+        return sample(after, name, suffix, **labels)
+
+    def delta(name, suffix):
+        return value(name, suffix) - counted[(name, suffix)]
 
     assert value("orbit_learner_step") == 7
     assert value("orbit_learner_last_step_timestamp_seconds") == 1007.0
-    assert value("orbit_learner_samples", "_total") == samples_before + 16
+    assert delta("orbit_learner_samples", "_total") == 16 and delta("orbit_sync_bytes", "_total") == 1000
     assert value("orbit_learner_phase_seconds", phase="train") == 1.2
-    assert value("orbit_learner_reward", "_count") >= 3
+    assert delta("orbit_learner_reward", "_count") == 3
+    assert value("orbit_sync_canary_mean_abs_logprob", path="prefill") == 1e-4
+    assert value("orbit_sync_canary_mean_abs_logprob", path="decode") == 2e-3
     assert value("orbit_learner_mismatch_mean_abs_logprob") == 0.002
     assert value("orbit_checkpoint_last_step") == 7 and value("orbit_checkpoint_size_bytes") == 4096
     assert value("orbit_checkpoint_last_success_timestamp_seconds") == 1234.0
-    assert value("orbit_checkpoint_failures", "_total") >= 1
+    assert delta("orbit_checkpoint_failures", "_total") == 1
 
 
 def test_endpoint_serves_metrics_and_health():

@@ -8,7 +8,7 @@ import pytest
 from orbit_runtime.config.spec import RewardSpec
 from orbit_runtime.errors import OrbitError
 from orbit_runtime.rewards.builtin import boxed_format, exact_match, extract_answer, regex
-from orbit_runtime.rewards.scoring import RewardScorer
+from orbit_runtime.rewards.scoring import RewardScorer, RewardsFailed
 
 
 def test_builtins():
@@ -65,6 +65,14 @@ def test_a_raising_reward_zeroes_only_its_failing_samples(plugin_module):
     assert result.per_function[f"{plugin_module}:fragile"] == [0.5, 0.0]
     assert result.total == [1.5, 1.0]
     assert result.errors == {f"{plugin_module}:fragile": 1}
+
+
+def test_a_reward_that_fails_on_most_samples_fails_the_step_naming_it(plugin_module):
+    name = f"{plugin_module}:fragile"
+    scorer = RewardScorer([RewardSpec(function="exact_match"), RewardSpec(function=name, max_error_fraction=0.3)])
+    with pytest.raises(RewardsFailed, match=rf"reward {name} \(rewards\[1\]\) raised on 2 of 3 samples.*0.3.*RuntimeError: reward service down"):
+        scorer.score(["boom", "boom", "ok"], prompts=["a"] * 3, answers=["1"] * 3)
+    assert scorer.score(["boom", "ok", "ok", "ok"], prompts=["a"] * 4, answers=["1"] * 4).errors == {name: 1}  # 1/4: goes on
 
 
 def test_bad_reward_names_are_clear():
