@@ -114,7 +114,7 @@ class Policy:
         """
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
-        causal_lm = self.model.get_base_model()
+        causal_lm = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model  # PEFT or plain
         hidden = causal_lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
         return chunked_token_logprobs(
             hidden[rows, positions], input_ids[rows, positions + 1], causal_lm.get_output_embeddings(), temperature,

@@ -147,6 +147,14 @@ class RolloutClient:
         self._ever_loaded.add(name)
         self.loaded.append(name)
 
+    def fresh_name(self, base: str) -> str:
+        """BASE, or BASE-retry<k> with the smallest k not loaded before on this server."""
+        name, k = base, 0
+        while name in self._ever_loaded:
+            k += 1
+            name = f"{base}-retry{k}"
+        return name
+
     def unload_adapter(self, name: str) -> None:
         self._post("/v1/unload_lora_adapter", {"lora_name": name})
         self.loaded.remove(name)

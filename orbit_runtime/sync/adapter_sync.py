@@ -192,7 +192,7 @@ class AdapterSync:
         started = time.monotonic()
         check: CanaryCheck | None = None
         for attempt in range(self.retries + 1):
-            name = adapter_name(version) if attempt == 0 else f"{adapter_name(version)}-retry{attempt}"
+            name = self.client.fresh_name(adapter_name(version))  # never a name vLLM has cached weights for
             self.client.load_adapter(name, path)
             check = check_canary(expected, previous, self.rollout_canary(name), self.tolerance, self.noise_floor)
             if check.passed:

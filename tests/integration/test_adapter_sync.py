@@ -11,8 +11,8 @@ import torch
 from orbit_runtime.config import AdapterSpec
 from orbit_runtime.learner.model import load_policy
 from orbit_runtime.rollout.server import VLLMServerConfig
-from orbit_runtime.sync.adapter_sync import AdapterSync, SyncError, canary_expectations, publish_adapter
-from orbit_runtime.trainer.roles import RolloutRole
+from orbit_runtime.sync.adapter_sync import AdapterSync, SyncError, calibrated_tolerance, canary_expectations, publish_adapter
+from orbit_runtime.trainer.roles import DecodeCanary, RolloutRole
 
 from .conftest import RANK
 
@@ -20,11 +20,46 @@ pytestmark = pytest.mark.vllm
 CANARY = [([97, 86, 84, 70, 83, 0], [18, 19, 12, 24, 98]), ([97, 66, 67, 68], [20, 21, 22])]
 
 
-def _nudge(policy, seed):
+def _nudge(policy, seed, scale=0.05):
     with torch.no_grad():
         for name, param in policy.model.named_parameters():
             if "lora_B" in name:
-                param.add_(torch.randn(param.shape, generator=torch.Generator().manual_seed(seed)) * 0.05)
+                param.add_(torch.randn(param.shape, generator=torch.Generator().manual_seed(seed)) * scale)
+
+
+def test_a_stale_adapter_inside_the_tolerance_is_told_from_a_fresh_one(rollout_client, int4_dir, tmp_path):
+    """One small step (the canary moves by a few hundredths, within the old fixed bf16 tolerance
+    of 0.1): version N-1's weights served under N's name fail loudly, the fresh N passes, and
+    versions closer than the noise are reported inconclusive."""
+    from orbit_runtime.observability import metrics
+
+    policy = load_policy(int4_dir, AdapterSpec(rank=RANK, alpha=16), dtype="fp16")
+    sync = AdapterSync(rollout_client, CANARY, tolerance=0.1, retries=1)
+    floor = sync.measure_noise_floor(canary_expectations(policy, CANARY, base=True))
+    assert 0 <= floor < 5e-3  # fp16: learner and vLLM compute the same base
+    root = tmp_path / "adapters"
+    _nudge(policy, 21)
+    v20 = canary_expectations(policy, CANARY)
+    assert sync.sync(20, publish_adapter(policy, root, 20)[0], v20).canary_verdict == "unchecked"  # no v19 known
+
+    _nudge(policy, 22, scale=0.01)  # a small step
+    v21 = canary_expectations(policy, CANARY)
+    publish_adapter(policy, root, 21)
+    with pytest.raises(SyncError, match=r"v21 .* closer to v20's log-probs \(0\.0\d+\) than to v21's .* stale adapter"):
+        sync.sync(21, root / "v20", v21, previous=v20)  # v20's files served as v21
+    assert sync.served_name == "orbit-adapter-v20"
+
+    fresh = sync.sync(21, root / "v21", v21, previous=v20)
+    assert fresh.canary_verdict == "verified" and fresh.served_name.startswith("orbit-adapter-v21")
+    assert 3 * floor < fresh.canary_separation < 0.1  # inside the old tolerance, outside the noise
+    assert fresh.canary_mean_abs_dlogp < fresh.canary_previous_mean_abs_dlogp
+
+    inconclusive_before = metrics.SYNC_CANARY_INCONCLUSIVE._value.get()
+    _nudge(policy, 23, scale=1e-6)  # late in a decayed schedule: the step is below the noise
+    v22 = canary_expectations(policy, CANARY)
+    late = sync.sync(22, publish_adapter(policy, root, 22)[0], v22, previous=v21)
+    assert late.canary_verdict == "inconclusive" and late.canary_separation < 3 * floor + 1e-6
+    assert metrics.SYNC_CANARY_INCONCLUSIVE._value.get() == inconclusive_before + 1
 
 
 def test_publish_sync_and_stale_detection(rollout_client, int4_dir, tmp_path):
@@ -59,12 +94,17 @@ def test_vllm_killed_while_a_sync_is_in_flight_recovers_both_versions(int4_dir, 
     again, verified against v1's canary (the learner's weights are already v2's), then v2."""
     policy = load_policy(int4_dir, AdapterSpec(rank=RANK, alpha=16), dtype="fp16")
     config = VLLMServerConfig(int4_dir, dtype="float16", max_lora_rank=RANK, log_path=tmp_path / "vllm.log")
-    role = RolloutRole(config, CANARY, tolerance=2e-2, retries=1, max_restarts=1)
+    role = RolloutRole(config, CANARY, tolerance=None, retries=1, max_restarts=1, decode=DecodeCanary(tokens=6, temperature=1.0))
     root = tmp_path / "adapters"
     role.start()
     try:
+        floor = role.calibrate(policy)
         _nudge(policy, 1)
-        role.publish(policy, 1, publish_adapter(policy, root, 1)[0])
+        first = role.publish(policy, 1, publish_adapter(policy, root, 1)[0])
+        # v1 against the base: told apart; the decode path (6 sampled tokens a prompt) agrees as the prefill does
+        assert first.canary_verdict == "verified" and first.canary_tolerance == calibrated_tolerance(floor)
+        assert first.decode.tokens == 6 * len(CANARY) and first.decode.mean_abs_dlogp < 5e-3
+        assert first.decode.max_abs_dlogp < 5e-2
         _nudge(policy, 2)  # the next update: the learner now holds v2's weights
         path2 = publish_adapter(policy, root, 2)[0]
         first_pid, load = role.server.pid, role.client.load_adapter

@@ -26,6 +26,12 @@ FRAGILE_REWARD = textwrap.dedent(
         if any("7" in c for c in completions):
             raise RuntimeError("reward backend exploded")
         return [0.1 for _ in completions]
+
+    def share_of_b(completions, **kwargs):  # dense: every group varies, so the adapter moves at every step
+        return [c.count("B") / max(len(c), 1) for c in completions]
+
+    def always_fails(completions, **kwargs):
+        raise RuntimeError("reward backend down")
     """
 )
 
@@ -86,10 +92,12 @@ def test_run_survives_rollout_and_reference_death_and_a_raising_reward(tmp_path,
     (tmp_path / "plugins" / "fragile_rewards.py").write_text(FRAGILE_REWARD)
     config = _job(
         tmp_path, int4_dir,
-        rewards=[{"function": "exact_match"}, {"function": "fragile_rewards:fragile"}],
+        rewards=[{"function": "exact_match"}, {"function": "fragile_rewards:share_of_b"},
+                 {"function": "fragile_rewards:fragile", "max_error_fraction": 1.0}],
         reference={"mode": "server"},
         algorithm={"kl_beta": 0.05},
-        schedule={"steps": 5, "learning_rate": 1e-3},
+        schedule={"steps": 5, "learning_rate": 5e-3},
+        eval={"every_steps": 2, "samples": 2},
     )  # fmt: skip
     run = tmp_path / "runs" / "t"
     proc = _orbit("train", str(config), cwd=tmp_path, env_extra={"PYTHONPATH": str(tmp_path / "plugins")})
@@ -109,10 +117,22 @@ def test_run_survives_rollout_and_reference_death_and_a_raising_reward(tmp_path,
     steps = _steps(run)
     assert [s["step"] for s in steps] == [1, 2, 3, 4, 5]
     assert [s["adapter_version"] for s in steps] == [1, 2, 3, 4, 5]
-    # the reference server answered every step (the KL itself is 0 until the adapter moves,
-    # which a random model with all-equal rewards in a group may not do)
-    assert all(s["reference_s"] > 0 and s["kl"] >= 0 for s in steps), steps
-    assert max(s["mismatch_mean_abs"] for s in steps) < 2e-2, [s["mismatch_mean_abs"] for s in steps]
+    # the dense reward moves the adapter every step: the reference server's KL is positive after the first
+    assert all(s["reference_s"] > 0 for s in steps) and all(s["kl"] > 0 for s in steps[1:]), [s["kl"] for s in steps]
+    from safetensors.torch import load_file
+
+    lora_b = [t for k, t in load_file(run / "adapters" / "v5" / "adapter_model.safetensors").items() if "lora_B" in k]
+    assert lora_b and all(float(t.abs().max()) > 0 for t in lora_b)  # PEFT starts lora_B at 0: it moved
+    # learner (fp32) and vLLM (fp16) agree far inside the canary's tolerance, on both paths
+    for s in steps:
+        assert s["mismatch_mean_abs"] < 5e-3 and s["canary_decode_mean_abs_dlogp"] < 5e-3, s
+        assert s["canary_mean_abs_dlogp"] < s["canary_tolerance"] / 2, s
+        assert s["canary_verdict"] in ("verified", "inconclusive"), s
+    assert any(s["canary_verdict"] == "verified" for s in steps)  # the adapter moved more than the noise
+    assert 0 < summary["canary_noise_floor"] < 5e-3
+    # evaluation with error bars: 2 samples a prompt, mean@2 and pass@2
+    assert summary["heldout_samples_per_prompt"] == 2 and summary["heldout_prompts"] == 8
+    assert summary["heldout_accuracy_after_stderr"] is not None and summary["heldout_pass_at_k_after"] >= summary["heldout_accuracy_after"]
     assert sorted(p.name for p in (run / "adapters").iterdir()) == ["v4", "v5"]
     report = (run / "report.html").read_text()
     assert report.count("<svg") == 7 and "Held-out samples" in report
@@ -123,6 +143,32 @@ def test_run_survives_rollout_and_reference_death_and_a_raising_reward(tmp_path,
     assert roles["rollout"]["restarts"] == 1 and roles["reference"]["restarts"] == 1
     for role in ("rollout", "reference"):
         assert not _alive(roles[role]["pid"]), f"{role} server outlived the run"
+
+
+def test_a_run_over_its_mismatch_bound_stops_off_policy_with_its_checkpoint(tmp_path, int4_dir):
+    """algorithm.max_mismatch below what fp16 vs fp32 arithmetic gives: after max_mismatch_steps
+    steps over it the run stops with reason OffPolicy, its last step checkpointed."""
+    config = _job(tmp_path, int4_dir, algorithm={"max_mismatch": 1e-9, "max_mismatch_steps": 2},
+                  schedule={"steps": 6, "learning_rate": 1e-3}, checkpoint={"every_steps": 10})  # fmt: skip
+    run = tmp_path / "runs" / "t"
+    proc = _orbit("train", str(config), cwd=tmp_path)
+    output, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 2, output[-3000:]  # the CLI's exit code for an error it explains
+    assert "exceeded algorithm.max_mismatch (1e-09) for 2 consecutive steps" in output, output[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["stop_reason"] == "OffPolicy" and summary["steps"] == 2 and summary["on_policy"]["state"] == "exceeded"
+    assert [s["off_policy_steps"] for s in _steps(run)] == [1, 2]
+    assert summary["last_checkpoint_step"] == 2 and (run / "checkpoints" / "step-00000002").is_dir()
+
+
+def test_a_reward_that_mostly_fails_fails_the_run_naming_it(tmp_path, int4_dir):
+    (tmp_path / "plugins").mkdir()
+    (tmp_path / "plugins" / "fragile_rewards.py").write_text(FRAGILE_REWARD)
+    config = _job(tmp_path, int4_dir, rewards=[{"function": "exact_match"}, {"function": "fragile_rewards:always_fails"}])
+    proc = _orbit("train", str(config), cwd=tmp_path, env_extra={"PYTHONPATH": str(tmp_path / "plugins")})
+    output, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 2, output[-3000:]  # the CLI's exit code for an error it explains
+    assert "reward fragile_rewards:always_fails (rewards[1]) raised on" in output and "reward backend down" in output
 
 
 def test_stop_signal_checkpoints_and_stops_cleanly_without_orphans(tmp_path, int4_dir):
