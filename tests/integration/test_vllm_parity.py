@@ -96,3 +96,38 @@ def test_client_refuses_to_reuse_an_adapter_name(client, policy, tmp_path):
     client.load_adapter(adapter_name(4), path)
     with pytest.raises(ValueError, match="used before"):
         client.load_adapter(adapter_name(4), path)
+
+
+def test_a_peaked_adapter_agrees_at_every_position(client, int4_dir, tmp_path):
+    """A mean over hundreds of tokens of a near-flat model hides a bug at a few positions (the
+    first sampled token, a prefix-cache hit). Here the adapter is trained until the model is
+    sharp on a few continuations (the sampled tokens are likely ones, where a wrong position
+    shows); every position is bounded, the first token of each completion and the second
+    completion of each prompt (its prompt's KV cache reused: the server runs with prefix
+    caching) included."""
+    torch.manual_seed(0)
+    trainer = load_policy(int4_dir, ADAPTER, dtype="fp32")  # trained in fp32, served and scored in fp16
+    prompts = _prompts(4, seed=3)
+    targets = [[random.Random(i).randrange(0, 96) for _ in range(8)] for i in range(4)]
+    optimizer = torch.optim.AdamW(trainer.trainable_parameters(), lr=1e-2)
+    for _ in range(40):
+        loss = -torch.cat(trainer.completion_logprobs(list(zip(prompts, targets, strict=True)))).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    peaked = load_policy(int4_dir, ADAPTER, dtype="fp16")
+    peaked.load_adapter_state(trainer.adapter_state())
+    name = adapter_name(5)
+    client.load_adapter(name, peaked.save_adapter(tmp_path / "v5"))
+    groups = client.generate(prompts, model=name, n=2, max_tokens=8, temperature=1.0, seed=11, ignore_eos=True)
+    completions = [c for group in groups for c in group]
+    with torch.no_grad():
+        learner = peaked.completion_logprobs([(c.prompt_ids, c.token_ids) for c in completions])
+    rollout = [torch.tensor(c.logprobs) for c in completions]
+    deltas = [(a.float() - b).abs() for a, b in zip(learner, rollout, strict=True)]
+    delta, sampled = torch.cat(deltas), torch.cat(rollout)
+    # peaked: a third of the sampled tokens have p > 0.37 (a flat model gives them all ~1/100)
+    assert (sampled > -1.0).float().mean() > 1 / 3, f"not peaked: sampled log-probs {sampled}"
+    assert delta.quantile(0.99) < 1e-2 and delta.max() < 2e-2, f"p99 {delta.quantile(0.99):.4f} max {delta.max():.4f}"
+    assert max(float(d[0]) for d in deltas) < 1e-2  # the first token (prefill's last position)
+    assert max(float(d.max()) for d in deltas[1::2]) < 2e-2  # completions whose prompt hit the prefix cache
