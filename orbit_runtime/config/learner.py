@@ -35,6 +35,13 @@ class LearnerSpec(BaseModel):
         "are global, so the update equals one big batch's. A longer single sequence gets a micro-batch of its own. "
         "null: no token limit.",
     )
+    lora_rounding: Literal["vllm", "fp32"] = Field(
+        "vllm",
+        description="vllm: the adapter's forward rounds where vLLM's LoRA kernels round (adapter cast to the model dtype, "
+        "scaling folded into B, shrink in fp32, expand and add in the model dtype), so the learner computes what the "
+        "rollout served; gradients still reach fp32 master weights. fp32: PEFT's forward (one fp32 delta). No effect in "
+        "an fp32 learner. benchmarks/mismatch.py measures both.",
+    )
     micro_batch_size: int | None = Field(
         None, ge=1, description="Most sequences per micro-batch (null: no limit besides micro_batch_tokens)."
     )

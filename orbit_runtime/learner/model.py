@@ -236,15 +236,16 @@ class Policy:
 ROUTED_EXPERT_MODULES = r".*\.experts\.\d+\..*"  # mlp.experts.<e>.<proj> of an MoE block
 
 
-def lora_config(adapter: AdapterSpec, has_routed_experts: bool = False):
+def lora_config(adapter: AdapterSpec, has_routed_experts: bool = False, lora_rounding: str = "fp32"):
     """PEFT LoraConfig for ADAPTER (no bias training: vLLM's LoRA has no bias).
 
     HAS_ROUTED_EXPERTS: the model holds per-expert linears, which get LoRA only if
-    `adapter.routed_experts` is set.
+    `adapter.routed_experts` is set. LORA_ROUNDING 'vllm': every LoRA linear computes with
+    vLLM's rounding (lora_numerics.py).
     """
     from peft import LoraConfig
 
-    return LoraConfig(
+    config = LoraConfig(
         r=adapter.rank,
         lora_alpha=adapter.alpha,
         lora_dropout=adapter.dropout,
@@ -253,10 +254,19 @@ def lora_config(adapter: AdapterSpec, has_routed_experts: bool = False):
         bias="none",
         task_type="CAUSAL_LM",
     )
+    if lora_rounding == "vllm":
+        from orbit_runtime.learner.lora_numerics import VllmRoundedLoraLinear
+
+        config._register_custom_module({nn.Linear: VllmRoundedLoraLinear})  # PEFT's custom-layer API
+    elif lora_rounding != "fp32":
+        raise OrbitError(f"learner.lora_rounding {lora_rounding!r}: expected 'vllm' or 'fp32'")
+    return config
 
 
-def load_policy(model_dir: Path, adapter: AdapterSpec, dtype: str = "bf16", device: str = "cpu") -> Policy:
-    """Load the INT4 base from MODEL_DIR onto DEVICE and wrap it with a fresh (zero) LoRA adapter."""
+def load_policy(model_dir: Path, adapter: AdapterSpec, dtype: str = "bf16", device: str = "cpu",
+                lora_rounding: str = "fp32") -> Policy:  # fmt: skip
+    """Load the INT4 base from MODEL_DIR onto DEVICE and wrap it with a fresh (zero) LoRA adapter
+    (LORA_ROUNDING: see lora_config; the trainer passes learner.lora_rounding)."""
     from peft import get_peft_model
 
     torch_dtype = parse_dtype(dtype)
@@ -268,7 +278,7 @@ def load_policy(model_dir: Path, adapter: AdapterSpec, dtype: str = "bf16", devi
         raise OrbitError(f"adapter.target_modules {unknown} match no linear layer; the model has {sorted(present)}")
     has_routed_experts = any(isinstance(m, SparseMoeBlock) for m in base.modules())
     with per_expert_peft_layout(base):
-        model = get_peft_model(base, lora_config(adapter, has_routed_experts))
+        model = get_peft_model(base, lora_config(adapter, has_routed_experts, lora_rounding))
     for name, param in model.named_parameters():
         if param.requires_grad and "lora_" not in name:
             raise RuntimeError(f"base parameter {name} is trainable; only the adapter may be")
@@ -276,7 +286,7 @@ def load_policy(model_dir: Path, adapter: AdapterSpec, dtype: str = "bf16", devi
     return Policy(model, torch_dtype, Path(model_dir))
 
 
-def load_dense_policy(model_dir: Path, adapter: AdapterSpec, dtype: str = "bf16") -> Policy:
+def load_dense_policy(model_dir: Path, adapter: AdapterSpec, dtype: str = "bf16", lora_rounding: str = "fp32") -> Policy:
     """The traditional learner: the ORIGINAL 16-bit checkpoint (not INT4) plus a LoRA adapter.
 
     Orbit does not train this way; benchmarks use it to measure the train-rollout mismatch
@@ -289,6 +299,6 @@ def load_dense_policy(model_dir: Path, adapter: AdapterSpec, dtype: str = "bf16"
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype, attn_implementation="sdpa")
     base.requires_grad_(False)
     base.eval()
-    model = get_peft_model(base, lora_config(adapter))
+    model = get_peft_model(base, lora_config(adapter, lora_rounding=lora_rounding))
     model.eval()
     return Policy(model, torch_dtype, Path(model_dir))

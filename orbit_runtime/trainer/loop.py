@@ -99,7 +99,8 @@ class Trainer:
         self.learner_dtype = spec.model.learner_dtype or spec.model.dtype
         self.device = resolve_device(spec.learner.device)
         self.limits = MicroBatchLimits(spec.learner.micro_batch_tokens, spec.learner.micro_batch_size)
-        self.policy = load_policy(Path(spec.model.path), spec.adapter, dtype=self.learner_dtype, device=self.device)
+        self.policy = load_policy(Path(spec.model.path), spec.adapter, dtype=self.learner_dtype, device=self.device,
+                                  lora_rounding=spec.learner.lora_rounding)  # fmt: skip
         self.policy.set_gradient_checkpointing(spec.learner.gradient_checkpointing)
         self.peak_memory = PeakMemory(self.device)
         self.optimizer = torch.optim.AdamW(
