@@ -278,7 +278,7 @@ def _assert_fresh_vllm_serves_the_exported_adapter(cluster: Cluster, manifest: d
         client = RolloutClient(server.base_url)
         result = AdapterSync(client, CANARY, tolerance=2e-2, retries=0).sync(step, exported, canary_expectations(policy, CANARY))
         client.close()
-    assert result.canary_mean_abs_dlogp < 2e-2
+    assert result.canary_mean_abs_dlogp < 5e-3  # fp16 vs fp32: far inside the tolerance, not at it
 
 
 def test_second_job_reuses_the_base_is_scraped_by_prometheus_suspends_and_resumes(cluster: Cluster, tmp_path):

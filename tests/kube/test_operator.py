@@ -58,6 +58,30 @@ def operator_process(kube: KubeEmulator, log_path: Path, status_port: int, extra
             OPERATOR_API_CALLS[mode].update(kube.api_calls(OPERATOR_TOKEN))
 
 
+def reconciles(proc) -> float:
+    """The operator's count of reconciles so far (all outcomes), from its /metrics."""
+    text = httpx.get(f"http://127.0.0.1:{proc.env['ORBIT_METRICS_PORT']}/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("orbit_operator_reconciles_total{"))
+
+
+def wait_for_reconciles(kube: KubeEmulator, proc, count: int) -> None:
+    """Block until the operator has reconciled COUNT more times: a negative check ("no new pod")
+    then rests on reconciles that happened, not on a sleep that may have been too short."""
+    start = _wait_metrics(proc)
+    wait(kube, lambda: reconciles(proc) >= start + count, f"{count} more reconciles")
+
+
+def _wait_metrics(proc) -> float:
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            return reconciles(proc)
+        except httpx.HTTPError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
 def status(kube: KubeEmulator, path: str = JOB_PATH) -> dict:
     return (kube.get(path) or {}).get("status") or {}
 
@@ -147,7 +171,7 @@ def test_job_lifecycle_pod_status_progress_backoff_suspend_success_and_delete(ku
 
 
 def test_backoff_limit_exhausted_fails_the_job(kube: KubeEmulator, tmp_path: Path) -> None:
-    with operator_process(kube, tmp_path / "operator.log", free_port("127.0.0.1")):
+    with operator_process(kube, tmp_path / "operator.log", free_port("127.0.0.1")) as proc:
         kube.kubectl("apply", "--validate=false", "-f", "examples/rljob-cpu.yaml")  # backoffLimit: 2
         for attempt in range(3):
             wait(kube, lambda a=attempt: pods(kube).get(f"{JOB}-{a}"), f"pod of attempt {attempt}")
@@ -155,7 +179,7 @@ def test_backoff_limit_exhausted_fails_the_job(kube: KubeEmulator, tmp_path: Pat
         wait(kube, lambda: status(kube).get("phase") == "Failed", "Failed after the backoff limit")
         failed = [c for c in status(kube)["conditions"] if c["type"] == "Failed"][0]
         assert failed["reason"] == "BackoffLimitExceeded" and status(kube)["failures"] == 3
-        time.sleep(2)
+        wait_for_reconciles(kube, proc, 3)
         assert f"{JOB}-3" not in pods(kube)  # no more pods
         kube.kubectl("patch", "rljob", JOB, "--type=merge", "-p", '{"spec":{"ttlSecondsAfterFinished":1}}')
         wait(kube, lambda: kube.get(JOB_PATH) is None, "the finished job deleted after its TTL")
@@ -169,9 +193,9 @@ def test_an_operator_killed_mid_reconcile_creates_no_duplicate_pod(kube: KubeEmu
     with operator_process(kube, log, status_port, extra_env={"ORBIT_FAULT_EXIT_AFTER_POD_CREATE": "1"}) as proc:
         assert proc.wait(30) == 70
     assert list(pods(kube)) == [f"{JOB}-0"] and "podName" not in status(kube)
-    with operator_process(kube, log, status_port):
+    with operator_process(kube, log, status_port) as proc:
         wait(kube, lambda: status(kube).get("phase") == "Pending" and status(kube).get("podName") == f"{JOB}-0", "status after restart")
-        time.sleep(2)  # several reconciles
+        wait_for_reconciles(kube, proc, 3)
         assert list(pods(kube)) == [f"{JOB}-0"]  # adopted, not duplicated
         created = [e for e in kube.events(involved_name=JOB) if e["reason"] == "PodCreated"]
         assert len(created) <= 1  # the adopted pod is not announced again
