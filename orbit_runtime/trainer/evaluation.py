@@ -41,6 +41,21 @@ def eval_reward_spec(spec: JobSpec) -> RewardSpec:
     return RewardSpec(function="exact_match", kwargs=kwargs)
 
 
+def heldout_summary(evals: list[dict], samples_per_prompt: int) -> dict:
+    """summary.json's held-out fields: accuracy before and after RL with standard errors, pass@k after."""
+    first, last = (evals[0], evals[-1]) if evals else ({}, {})
+    after = len(evals) > 1
+    return {
+        "heldout_accuracy_before": first.get("accuracy"),
+        "heldout_accuracy_before_stderr": first.get("accuracy_stderr"),
+        "heldout_accuracy_after": last.get("accuracy") if after else None,
+        "heldout_accuracy_after_stderr": last.get("accuracy_stderr") if after else None,
+        "heldout_pass_at_k_after": last.get("pass_at_k") if after else None,
+        "heldout_prompts": last.get("examples"),
+        "heldout_samples_per_prompt": samples_per_prompt,
+    }
+
+
 def describe_eval(row: dict) -> str:
     """'83.3% ± 4.1% (64 prompts, greedy)': an eval row's accuracy with its standard error."""
     k = row.get("samples_per_prompt", 1)

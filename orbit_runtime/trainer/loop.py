@@ -51,7 +51,7 @@ from orbit_runtime.trainer.checkpointing import (
     restore_cuda_rng,
     restore_rng,
 )
-from orbit_runtime.trainer.evaluation import Evaluator, describe_eval
+from orbit_runtime.trainer.evaluation import Evaluator, describe_eval, heldout_summary
 from orbit_runtime.trainer.on_policy import OffPolicy, OnPolicyGuard
 from orbit_runtime.trainer.recorder import RunRecorder, RunState, sample_rows, signal_health, status_document, step_row
 from orbit_runtime.trainer.roles import DecodeCanary, ExternalRoles, ReferenceRole, RolloutRole, rollout_server_config
@@ -415,15 +415,9 @@ class Trainer:
             self.evaluate()
 
     def write_summary(self, interrupted: bool) -> dict:
-        evals, stats = self.state.evals, self.checkpoints.stats
+        stats = self.checkpoints.stats
         return self.recorder.write_summary({
-            "heldout_accuracy_before": evals[0]["accuracy"] if evals else None,
-            "heldout_accuracy_before_stderr": evals[0].get("accuracy_stderr") if evals else None,
-            "heldout_accuracy_after": evals[-1]["accuracy"] if len(evals) > 1 else None,
-            "heldout_accuracy_after_stderr": evals[-1].get("accuracy_stderr") if len(evals) > 1 else None,
-            "heldout_pass_at_k_after": evals[-1].get("pass_at_k") if len(evals) > 1 else None,
-            "heldout_prompts": evals[-1]["examples"] if evals else None,
-            "heldout_samples_per_prompt": self.spec.eval.samples,
+            **heldout_summary(self.state.evals, self.spec.eval.samples),
             "steps": self.state.step,
             "wall_seconds": round(self.state.wall_seconds, 1),
             "adapter_version": self.state.adapter_version,
