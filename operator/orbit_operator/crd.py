@@ -133,6 +133,8 @@ STATUS_SCHEMA: dict[str, Any] = {
                 "stepText": {"type": "string", "description": "step/maxSteps, for the printer column"},
                 "reward": {"type": "number"},
                 "heldoutAccuracy": {"type": "number"},
+                "heldoutStderr": {"type": "number", "description": "standard error of heldoutAccuracy over the prompts"},
+                "heldoutPrompts": {"type": "integer"},
                 "adapterVersion": {"type": "integer"},
             },
         },

@@ -24,9 +24,11 @@ def progress_from_learner(learner: dict) -> dict:
         "adapterVersion": int(learner.get("adapterVersion", 0)),
         "learnerPhase": str(learner.get("phase", "")),
     }
-    for key in ("reward", "heldoutAccuracy"):
+    for key in ("reward", "heldoutAccuracy", "heldoutStderr"):
         if isinstance(learner.get(key), int | float):
             progress[key] = float(learner[key])
+    if isinstance(learner.get("heldoutPrompts"), int):
+        progress["heldoutPrompts"] = learner["heldoutPrompts"]
     checkpoint = learner.get("lastCheckpoint")
     if isinstance(checkpoint, dict):
         progress["lastCheckpoint"] = {"uri": str(checkpoint.get("uri", "")), "step": int(checkpoint.get("step", 0))}
