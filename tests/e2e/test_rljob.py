@@ -16,10 +16,10 @@ import json
 import os
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -30,7 +30,7 @@ from orbit_operator.settings import OperatorSettings
 from orbit_runtime.processes import free_port
 from tests.e2e.node import ProcessNode
 from tests.kube.emulator import ORBIT_CRD, RLJOBS, KubeEmulator
-from tests.kube.test_operator import operator_process
+from tests.kube.test_operator import operator_process, wait_for_reconciles
 from tests.prometheus import Prometheus, assert_dashboards_and_rules_have_data
 
 pytestmark = pytest.mark.vllm
@@ -71,6 +71,7 @@ class Cluster:
     cache_root: Path
     status_port: int
     tmp: Path
+    operator: Any = None  # the operator process (its metrics count reconciles)
 
     def apply(self, name: str, steps: int, **spec) -> dict:
         """`kubectl apply -f` a job (see job_spec)."""
@@ -125,8 +126,8 @@ def cluster(tmp_path_factory, demo_dir, s3_endpoint):
                   "data": {k: base64.b64encode(v.encode()).decode() for k, v in s3_endpoint.env().items()}}  # fmt: skip
         kube.create(kube.path("v1/secrets", NS), secret)
         settings = {"ORBIT_CACHE_ROOT": str(tmp / "node-cache"), "ORBIT_STATUS_POLL_SECONDS": "1", "ORBIT_BACKOFF_BASE_SECONDS": "2"}
-        with ProcessNode(kube, tmp / "node") as node, operator_process(kube, tmp / "operator.log", status_port, settings):
-            yield Cluster(kube, node, bucket, s3_endpoint.env(), tmp / "node-cache", status_port, tmp)
+        with ProcessNode(kube, tmp / "node") as node, operator_process(kube, tmp / "operator.log", status_port, settings) as operator:
+            yield Cluster(kube, node, bucket, s3_endpoint.env(), tmp / "node-cache", status_port, tmp, operator)
 
 
 def _cache_history(cluster: Cluster, manifest: dict) -> list[dict]:
@@ -315,7 +316,7 @@ def test_second_job_reuses_the_base_is_scraped_by_prometheus_suspends_and_resume
     log = cluster.node.log(NS, "job-b-0", "learner")
     stopped = int(log.split("stopped at step ", 1)[1].split()[0])
     assert max(c["step"] for c in cluster.checkpoints("job-b") if c["complete"]) == stopped, log[-2000:]
-    time.sleep(3)  # several reconciles (every second): a suspended job gets no new pod
+    wait_for_reconciles(cluster.kube, cluster.operator, 8)  # a few rounds over all jobs: a suspended job gets no new pod
     assert not cluster.kube.list_pods(NS, label_selector="orbit.dev/job=job-b")
 
     # resume: a new pod continues from that checkpoint
@@ -350,6 +351,6 @@ def test_a_job_whose_base_cannot_fit_fails_in_prepare_base_with_the_breakdown(cl
     assert status["plan"].startswith("does not fit: rollout ") and "startTime" not in status  # it never ran
     assert _container(cluster.pod("job-c-0"), "prepare-base")["state"]["terminated"]["exitCode"] == 3
     assert any(e["reason"] == "DoesNotFit" for e in cluster.kube.events(NS, involved_name="job-c"))
-    time.sleep(3)  # longer than the backoff: no second pod (until an edit makes the job fit)
+    wait_for_reconciles(cluster.kube, cluster.operator, 8)  # a few rounds over all jobs: no second pod (until an edit)
     assert not cluster.pod("job-c-1") and _cache_history(cluster, manifest) == []  # and nothing was quantized
 
