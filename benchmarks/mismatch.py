@@ -14,8 +14,8 @@ Run for bf16 and fp16 (vLLM and learner in the same dtype), for each --seeds (a 
 the adapter and the prompts), on the random-init demo model and on the warmed-up one that
 `make demo` trains (--models). Per run: mean, p99 and max |dlogp| over the sampled tokens,
 k3 KL, and the per-sequence importance ratio exp(sum learner - sum rollout) (its min, max
-and the std of its log), plus the kernels each side ran (vLLM's attention backend from its
-log, torch's CPU capability and oneDNN/AMX use). Summaries give the median and spread over
+and the std of its log), plus the kernels each side ran (vLLM's INT4 linear kernel from its
+log; the oneDNN matmul torch's bf16 and fp16 linears dispatch to on this CPU). Summaries give the median and spread over
 seeds and the traditional / Orbit ratio per seed.
 
     python benchmarks/mismatch.py --json benchmarks/results/mismatch.json
@@ -70,7 +70,8 @@ for dtype in (torch.bfloat16, torch.float16):
 
 
 def kernels(log_path: Path) -> dict:
-    """Which kernels ran. vLLM: what its log names (its INT4 linear kernel, its attention backend).
+    """Which kernels ran. vLLM: what its log names at INFO (its INT4 linear kernel; its CPU build does not
+    name its attention backend there).
     The learner: the oneDNN implementation torch's bf16 and fp16 linears dispatch to on this CPU
     (ONEDNN_VERBOSE on a probe in a subprocess), and torch's CPU capability."""
     import subprocess

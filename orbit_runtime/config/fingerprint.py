@@ -28,6 +28,12 @@ EXCLUDED = (
 )  # fmt: skip
 
 
+# Fields added after checkpoints were first written, left out of the hash while at their
+# default: a run that does not use them resumes the checkpoints of earlier versions.
+LATER_DEFAULTS = {"rollout.truncated": "keep", "rollout.truncated_reward": 0.0}
+REWARD_GUARDS = ("max_error_fraction",)  # per reward: when a step fails, not what it computes
+
+
 def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
     if isinstance(value, dict):
         out: dict[str, Any] = {}
@@ -49,6 +55,9 @@ def training_fields(spec: JobSpec, base_digest: str | None = None) -> dict[str, 
         excluded += ("model.path",)
     flat = _flatten(spec.model_dump(mode="json"))
     fields = {k: v for k, v in flat.items() if not any(k == e or k.startswith(e + ".") for e in excluded)}
+    fields = {k: v for k, v in fields.items() if not (k in LATER_DEFAULTS and v == LATER_DEFAULTS[k])}
+    if "rewards" in fields:
+        fields["rewards"] = [{k: v for k, v in r.items() if k not in REWARD_GUARDS} for r in fields["rewards"]]
     if base_digest is not None:
         fields["model.base_digest"] = base_digest
     return fields

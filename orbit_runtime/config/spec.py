@@ -223,6 +223,11 @@ class ScheduleSpec(Section):
     seed: int = 0
 
 
+# The largest base-model noise floor a dtype's canary accepts: above it learner and rollout do not
+# compute the same model (another base, another dtype), and a tolerance calibrated on it would pass anything.
+NOISE_FLOOR_CEILING = {"bf16": 0.1, "fp16": 0.02}
+
+
 class SyncSpec(Section):
     canary_sequences: int = Field(4, ge=1, description="Fixed sequences scored by both engines after every sync.")
     tolerance: float | None = Field(

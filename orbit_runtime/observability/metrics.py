@@ -150,6 +150,10 @@ SYNC_CANARY_INCONCLUSIVE = Counter(
     "orbit_sync_canary_inconclusive_total", "Syncs whose canary could not tell version N from N-1 (they differ by less "
     "than the check resolves); served on the fresh name alone.", registry=LEARNER_REGISTRY,
 )  # fmt: skip
+SYNC_CANARY_DECODE_FAILURES = Counter(
+    "orbit_sync_canary_decode_failures_total", "Decode canaries that could not be measured (the sync itself passed).",
+    registry=LEARNER_REGISTRY,
+)  # fmt: skip
 SYNC_CANARY_NOISE_FLOOR = Gauge(
     "orbit_sync_canary_noise_floor_abs_logprob", "Canary mean |dlogp| of the base model (no adapter) between vLLM and the "
     "learner, measured when the rollout engine starts: the arithmetic noise of this dtype and machine.",

@@ -72,15 +72,15 @@ class RewardScorer:
         totals = [0.0] * len(completions)
         per_function: dict[str, list[float]] = {}
         errors: dict[str, int] = {}
-        for spec, fn in zip(self.specs, self.functions, strict=True):
+        for index, (spec, fn) in enumerate(zip(self.specs, self.functions, strict=True)):
+            errors_before = errors.get(spec.function, 0)
             base_kwargs = {"prompts": prompts, "answers": answers, **spec.kwargs}
             try:
                 values = self._call(fn, base_kwargs, completions)
             except Exception:
                 values = self._score_one_by_one(spec, fn, completions, prompts, answers, errors)
-            failed = errors.get(spec.function, 0)
+            failed = errors.get(spec.function, 0) - errors_before  # this entry's (a function may be listed twice)
             if failed > spec.max_error_fraction * len(completions):
-                index = self.specs.index(spec)
                 raise RewardsFailed(
                     f"reward {spec.function} (rewards[{index}]) raised on {failed} of {len(completions)} samples, more than "
                     f"its max_error_fraction {spec.max_error_fraction}; last error: {self.last_error.get(spec.function)}"

@@ -148,9 +148,11 @@ class RolloutClient:
         self.loaded.append(name)
 
     def fresh_name(self, base: str) -> str:
-        """BASE, or BASE-retry<k> with the smallest k not loaded before on this server."""
+        """BASE, or BASE-retry<k> with the smallest k neither loaded by this client nor served now
+        (an external server outlives a restarted learner and still holds its names)."""
+        taken = self._ever_loaded | set(self.served_models())
         name, k = base, 0
-        while name in self._ever_loaded:
+        while name in taken:
             k += 1
             name = f"{base}-retry{k}"
         return name

@@ -50,11 +50,16 @@ class OnPolicyGuard:
         return cls(bound=None if auto else max_mismatch, steps_allowed=steps_allowed, auto=auto)  # type: ignore[arg-type]
 
     def restore(self, steps: list[dict]) -> None:
-        """Continue the bound and the streak of a resumed run's step rows."""
+        """Continue a resumed run's streak under the same bound. `auto` continues the calibrated
+        bound; a bound the spec has since changed (or switched off) starts a fresh streak, so a
+        run stopped OffPolicy can be resumed with a looser bound."""
         if steps:
             last = steps[-1]
-            self.bound = last.get("mismatch_bound", self.bound)
-            self.consecutive = last.get("off_policy_steps", 0)
+            stored = last.get("mismatch_bound")
+            if self.auto:
+                self.bound = stored
+            if stored is not None and stored == self.bound:
+                self.consecutive = last.get("off_policy_steps", 0)
             self.last = step_figure(last)
         self.export()
 

@@ -76,7 +76,7 @@ def render_report(name: str, steps: list[dict], evals: list[dict], summary: dict
                 ],
             },
         ),  # fmt: skip
-        _chart("Held-out reward (greedy)", {"reward": series("reward_mean", evals)}),
+        _chart("Held-out reward", {"reward": series("reward_mean", evals)}),
         _chart(
             "Train-rollout mismatch, mean |dlogp|",
             {

@@ -279,9 +279,17 @@ class RolloutRole(SupervisedRole):
         if self.decode is not None:
             d = self.decode
             prompts = [prompt for prompt, _ in self.canary]
-            stats = self.call(lambda client: decode_canary(client, policy, prompts, self.served_name, tokens=d.tokens,
-                                                           temperature=d.temperature, seed=d.seed), kind="canary")  # fmt: skip
-            result = dataclasses.replace(result, decode=stats)
+            try:  # a measurement: the version is verified and served, its failure must not fail the step
+                stats = self.call(lambda client: decode_canary(client, policy, prompts, self.served_name, tokens=d.tokens,
+                                                               temperature=d.temperature, seed=d.seed), kind="canary")  # fmt: skip
+            except (httpx.HTTPError, RuntimeError) as exc:
+                if isinstance(exc, RoleDied):
+                    raise
+                log.warning("adapter v%d: the decode canary failed (%s: %s); not measured this step", version,
+                            type(exc).__name__, exc)  # fmt: skip
+                metrics.SYNC_CANARY_DECODE_FAILURES.inc()
+            else:
+                result = dataclasses.replace(result, decode=stats)
         return result
 
 

@@ -158,7 +158,10 @@ def test_a_run_over_its_mismatch_bound_stops_off_policy_with_its_checkpoint(tmp_
     summary = json.loads((run / "summary.json").read_text())
     assert summary["stop_reason"] == "OffPolicy" and summary["steps"] == 2 and summary["on_policy"]["state"] == "exceeded"
     assert [s["off_policy_steps"] for s in _steps(run)] == [1, 2]
-    assert summary["last_checkpoint_step"] == 2 and (run / "checkpoints" / "step-00000002").is_dir()
+    assert summary["last_checkpoint_step"] == 2
+    listed = subprocess.run([sys.executable, "-m", "orbit_runtime.cli", "checkpoints", "list", f"file://{run / 'checkpoints'}",
+                             "--json"], capture_output=True, text=True, check=True)  # fmt: skip
+    assert [(c["step"], c["complete"]) for c in json.loads(listed.stdout)] == [(2, True)]  # intact: manifest committed
 
 
 def test_a_reward_that_mostly_fails_fails_the_run_naming_it(tmp_path, int4_dir):

@@ -129,3 +129,20 @@ def test_checkpoint_files_restore_policy_optimizer_scheduler_and_rng(int4_dir, t
     wrong_rank = load_policy(int4_dir, AdapterSpec(rank=8, alpha=8, target_modules=["q_proj", "v_proj"]), dtype="fp32")
     with pytest.raises(ValueError, match="does not fit"):
         wrong_rank.load_adapter(tmp_path / "ckpt" / ADAPTER)
+
+
+def test_new_settings_at_their_defaults_keep_earlier_checkpoints_resumable():
+    """The quickstart's fingerprint as Orbit computed it before the signal-integrity settings
+    (commit f423963): guards (sync, algorithm.max_mismatch, rewards[].max_error_fraction) are
+    not in it, and rollout.truncated counts only when it is not 'keep'."""
+    from pathlib import Path
+
+    from orbit_runtime.config import load_job_spec
+    from orbit_runtime.config.fingerprint import config_hash, training_fields
+
+    spec = load_job_spec(Path(__file__).resolve().parents[2] / "examples" / "quickstart.yaml")
+    assert config_hash(training_fields(spec, base_digest="abc")) == "cbd4664e74e70290"
+    guarded = spec.model_copy(update={"algorithm": spec.algorithm.model_copy(update={"max_mismatch": 0.01})})
+    assert config_hash(training_fields(guarded, base_digest="abc")) == "cbd4664e74e70290"
+    masked = spec.model_copy(update={"rollout": spec.rollout.model_copy(update={"truncated": "mask"})})
+    assert config_hash(training_fields(masked, base_digest="abc")) != "cbd4664e74e70290"

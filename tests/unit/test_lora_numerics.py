@@ -73,3 +73,14 @@ def test_gradients_reach_the_fp32_masters():
     x32 = torch.randn(4, 256)
     _, plain = _wrapped("fp32", torch.float32)
     assert torch.equal(fp32_layer(x32), plain(x32))
+
+
+def test_the_trainer_s_default_is_vllm_rounding_on_every_lora_linear(int4_dir):
+    from orbit_runtime.config import parse_job_spec
+    from orbit_runtime.learner.model import load_policy
+
+    rounding = parse_job_spec({"model": {"path": str(int4_dir)}}).learner.lora_rounding
+    assert rounding == "vllm"
+    policy = load_policy(int4_dir, AdapterSpec(rank=4, alpha=8), dtype="bf16", lora_rounding=rounding)
+    wrapped = [m for m in policy.model.modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")]
+    assert wrapped and all(isinstance(m, VllmRoundedLoraLinear) for m in wrapped)

@@ -70,9 +70,16 @@ def test_auto_calibrates_from_the_run_and_a_resume_continues_the_streak():
         assert error is None
     assert fields["mismatch_bound"] == pytest.approx(AUTO_MULTIPLE * 0.001 * CALIBRATION_STEPS)
     assert guard.check(_row(6, 1.0), rows)[1] is not None
+    stopped = [{**_row(6, 1.0), "mismatch_bound": 0.02, "off_policy_steps": 2}]
     resumed = OnPolicyGuard.from_spec("auto", steps_allowed=3)
-    resumed.restore([{**_row(6, 1.0), "mismatch_bound": 0.02, "off_policy_steps": 2}])
-    assert resumed.check(_row(7, 1.0), [])[1] is not None  # 2 + 1 = 3 consecutive
+    resumed.restore(stopped)
+    assert resumed.check(_row(7, 1.0), [])[1] is not None  # 2 + 1 = 3 consecutive under the calibrated bound
+    loosened = OnPolicyGuard.from_spec(2.0, steps_allowed=3)  # the user raised the bound after the stop
+    loosened.restore(stopped)
+    assert loosened.check(_row(7, 1.0), [])[0] == {"mismatch_bound": 2.0, "off_policy_steps": 0}
+    switched_off = OnPolicyGuard.from_spec(None, steps_allowed=1)
+    switched_off.restore(stopped)
+    assert switched_off.check(_row(7, 9.0), [])[1] is None
 
 
 def test_truncated_completions_get_their_own_reward_or_leave_the_loss():
