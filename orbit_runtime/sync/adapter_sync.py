@@ -28,6 +28,7 @@ each canary prompt (decode log-probs, as in a rollout) and the learner recompute
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import time
@@ -76,10 +77,7 @@ def prune_adapters(adapters_root: Path, newest: int, keep: int) -> None:
 def canary_expectations(policy, canary: Canary, *, base: bool = False) -> list[torch.Tensor]:
     """The learner's log-probs of the canary (T=1, dropout off): what the rollout must reproduce.
     BASE: with the adapter disabled (what vLLM's base model must reproduce)."""
-    with policy.scoring():
-        if base:
-            with policy.adapter_disabled():
-                return [t.float().cpu() for t in policy.completion_logprobs(canary)]
+    with policy.scoring(), policy.adapter_disabled() if base else contextlib.nullcontext():
         return [t.float().cpu() for t in policy.completion_logprobs(canary)]
 
 

@@ -27,7 +27,7 @@ import torch
 from orbit_runtime.algorithms.grpo import LossConfig
 from orbit_runtime.algorithms.lr_schedule import lr_multiplier
 from orbit_runtime.config.fingerprint import config_hash, training_fields
-from orbit_runtime.config.spec import NOISE_FLOOR_CEILING, JobSpec
+from orbit_runtime.config.spec import JobSpec
 from orbit_runtime.data.datasets import load_splits
 from orbit_runtime.data.sampler import PromptSampler
 from orbit_runtime.int4.base_digest import read_base_digest
@@ -40,7 +40,7 @@ from orbit_runtime.observability.peak_memory import PeakMemory
 from orbit_runtime.observability.server import MetricsServer
 from orbit_runtime.rewards.scoring import RewardScorer
 from orbit_runtime.run_paths import RunPaths
-from orbit_runtime.sync.adapter_sync import SyncError, prune_adapters, publish_adapter
+from orbit_runtime.sync.adapter_sync import prune_adapters, publish_adapter
 from orbit_runtime.trainer.batch import BatchBuilder, RolloutBatch, canary_pairs
 from orbit_runtime.trainer.checkpoint_manager import CheckpointManager
 from orbit_runtime.trainer.checkpointing import (
@@ -217,14 +217,7 @@ class Trainer:
     # ---- roles ---------------------------------------------------------------------------
     def start_roles(self) -> None:
         self.rollout.start()
-        floor = self.rollout.calibrate(self.policy)
-        ceiling = NOISE_FLOOR_CEILING[self.spec.model.dtype]
-        if floor > ceiling:
-            raise SyncError(
-                f"the rollout's base model differs from the learner's by {floor:.4f} mean |dlogp| on the canary before any "
-                f"adapter (at most {ceiling} is arithmetic noise in {self.spec.model.dtype}): vLLM serves another base or "
-                "another dtype than the learner computes (model.path, model.dtype, model.learner_dtype)"
-            )
+        floor = self.rollout.calibrate(self.policy, self.spec.model.dtype)
         tolerance = self.rollout.sync.tolerance
         self._say(f"canary noise floor {floor:.2e} mean |dlogp| ({self.spec.model.dtype}, base model on both engines); "
                   f"tolerance {tolerance:.2e}" + (" (sync.tolerance)" if self.spec.sync.tolerance else " (calibrated)"))  # fmt: skip

@@ -23,14 +23,14 @@ import httpx
 import torch
 
 from orbit_runtime.config.precision import vllm_dtype
-from orbit_runtime.config.spec import JobSpec
+from orbit_runtime.config.spec import NOISE_FLOOR_CEILING, JobSpec
 from orbit_runtime.learner.micro_batches import NO_LIMITS, MicroBatchLimits, logprobs_in_micro_batches
 from orbit_runtime.observability import metrics
 from orbit_runtime.processes import ManagedServer
 from orbit_runtime.reference.client import ReferenceClient, ReferenceServer
 from orbit_runtime.rollout.client import RolloutClient
 from orbit_runtime.rollout.server import VLLMServer, VLLMServerConfig
-from orbit_runtime.sync.adapter_sync import AdapterSync, Canary, SyncResult, canary_expectations, decode_canary
+from orbit_runtime.sync.adapter_sync import AdapterSync, Canary, SyncError, SyncResult, canary_expectations, decode_canary
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -203,11 +203,19 @@ class RolloutRole(SupervisedRole):
         self.sync = AdapterSync(self.client, self.canary, self.tolerance, self.retries)
         self.sync.noise_floor = self.noise_floor  # a restarted engine: the same dtype and machine
 
-    def calibrate(self, policy) -> float:
-        """Measure the canary's noise floor: POLICY's base (adapter off) vs vLLM's base model."""
+    def calibrate(self, policy, dtype: str) -> float:
+        """Measure the canary's noise floor: POLICY's base (adapter off) vs vLLM's base model. Above the
+        DTYPE's ceiling the engines do not compute the same model: SyncError, before any adapter."""
         self._base_expected = canary_expectations(policy, self.canary, base=True)
-        self.noise_floor = self.call(lambda _client: self.sync.measure_noise_floor(self._base_expected), kind="sync")
-        return self.noise_floor
+        floor = self.noise_floor = self.call(lambda _client: self.sync.measure_noise_floor(self._base_expected), kind="sync")
+        ceiling = NOISE_FLOOR_CEILING[dtype]
+        if floor > ceiling:
+            raise SyncError(
+                f"the rollout's base model differs from the learner's by {floor:.4f} mean |dlogp| on the canary before any "
+                f"adapter (at most {ceiling} is arithmetic noise in {dtype}): vLLM serves another base or another dtype than "
+                "the learner computes (model.path, model.dtype, model.learner_dtype)"
+            )
+        return floor
 
     def stop(self) -> None:
         if self.sync is not None:

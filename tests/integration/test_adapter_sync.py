@@ -98,7 +98,7 @@ def test_vllm_killed_while_a_sync_is_in_flight_recovers_both_versions(int4_dir, 
     root = tmp_path / "adapters"
     role.start()
     try:
-        floor = role.calibrate(policy)
+        floor = role.calibrate(policy, "fp16")
         _nudge(policy, 1)
         first = role.publish(policy, 1, publish_adapter(policy, root, 1)[0])
         # v1 against the base: told apart; the decode path (6 sampled tokens a prompt) agrees as the prefill does
