@@ -141,6 +141,8 @@ def test_new_settings_at_their_defaults_keep_earlier_checkpoints_resumable():
     from orbit_runtime.config.fingerprint import config_hash, training_fields
 
     spec = load_job_spec(Path(__file__).resolve().parents[2] / "examples" / "quickstart.yaml")
+    # the quickstart as it was at f423963 (its learning rate has since been raised to 4e-3)
+    spec = spec.model_copy(update={"schedule": spec.schedule.model_copy(update={"learning_rate": 2.0e-3})})
     assert config_hash(training_fields(spec, base_digest="abc")) == "cbd4664e74e70290"
     guarded = spec.model_copy(update={"algorithm": spec.algorithm.model_copy(update={"max_mismatch": 0.01})})
     assert config_hash(training_fields(guarded, base_digest="abc")) == "cbd4664e74e70290"
