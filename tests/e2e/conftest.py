@@ -1,4 +1,4 @@
-"""Fixtures for the end-to-end tests: the emulated API server (tests/kube/emulator.py) and a
+"""Fixtures for the end-to-end tests: the emulated API server (tests/kube/emulator/) and a
 test node that runs its pods as sandboxed processes (tests/e2e/node.py)."""
 
 from __future__ import annotations

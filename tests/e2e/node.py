@@ -2,7 +2,7 @@
 This module claims pods and hands each to a thread (tests/e2e/pod_runner.py); the containers'
 sandboxes are built from tests/e2e/sandbox.py.
 
-The operator creates pods in the API (tests/kube/emulator.py); :class:`ProcessNode` plays the
+The operator creates pods in the API (tests/kube/emulator/); :class:`ProcessNode` plays the
 kubelet of one node, so a job really runs: its containers' commands run here, each in a
 `bwrap` (bubblewrap) sandbox that reproduces what the pod asks for.
 

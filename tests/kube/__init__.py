@@ -1,1 +1,1 @@
-"""An in-process Kubernetes API emulator (kmock-based) for operator tests; see tests/kube/emulator.py."""
+"""An in-process Kubernetes API emulator (kmock-based) for operator tests; see tests/kube/emulator/."""

@@ -1,4 +1,4 @@
-"""The API emulator works for real clients: kubectl and a real `kopf run` process (see tests/kube/emulator.py)."""
+"""The API emulator works for real clients: kubectl and a real `kopf run` process (see tests/kube/emulator/)."""
 
 from __future__ import annotations
 
@@ -123,3 +123,30 @@ def test_server_semantics(kube: KubeEmulator) -> None:
         assert e.status == 404
     else:
         raise AssertionError("an unknown resource was accepted")
+
+
+def test_garbage_collection_graceful_pod_deletion_and_injected_errors(kube: KubeEmulator) -> None:
+    """What hid the operator's ownership bugs: dependents outlive their owner for a grace period."""
+    owner = kube.create(KubeEmulator.path("v1/configmaps", "default"), {"metadata": {"name": "owner"}})
+    ref = {"apiVersion": "v1", "kind": "ConfigMap", "name": "owner", "uid": owner["metadata"]["uid"], "controller": True}
+    pods = KubeEmulator.path("v1/pods", "default")
+    for name in ("bound", "unbound"):
+        kube.create(pods, {"metadata": {"name": name, "ownerReferences": [ref]}, "spec": {"containers": [{"name": "c", "image": "x"}]}})
+    kube.create(KubeEmulator.path("v1/configmaps", "default"), {"metadata": {"name": "dependent", "ownerReferences": [ref]}})
+    kube.create(KubeEmulator.path("v1/configmaps", "default"), {"metadata": {"name": "unowned"}})
+    kube.bind_pod("default", "bound")
+    kube.set_pod_status("default", "bound", "Running")
+    kube.delete(KubeEmulator.path("v1/configmaps", "default", "owner"))
+    remaining = {p["metadata"]["name"]: p for p in kube.list_pods("default")}
+    assert list(remaining) == ["bound"] and remaining["bound"]["metadata"]["deletionTimestamp"]  # terminating, not gone
+    assert kube.get(KubeEmulator.path("v1/configmaps", "default", "dependent")) is None
+    assert kube.get(KubeEmulator.path("v1/configmaps", "default", "unowned")) is not None
+    kube.finish_pod_deletion("default", "bound")
+    assert kube.list_pods("default") == []
+
+    kube.inject_error("create", "pods", 429, "TooManyRequests", "too many requests, please try again later", times=2)
+    body = {"metadata": {"name": "later"}, "spec": {"containers": [{"name": "c", "image": "x"}]}}
+    for _ in range(2):
+        status, payload = kube.request("POST", pods, body)
+        assert status == 429 and payload["reason"] == "TooManyRequests"
+    assert kube.request("POST", pods, body)[0] == 201
