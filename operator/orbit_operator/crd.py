@@ -121,6 +121,7 @@ STATUS_SCHEMA: dict[str, Any] = {
                     "reason": {"type": "string"},
                     "message": {"type": "string"},
                     "lastTransitionTime": {"type": "string", "format": "date-time"},
+                    "observedGeneration": {"type": "integer", "description": "the job generation this condition was decided at"},
                 },
             },
         },

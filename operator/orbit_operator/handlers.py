@@ -1,16 +1,24 @@
-"""kopf handlers: observe, `reconcile.plan`, carry the plan out. Nothing is decided here.
+"""kopf handlers and the reconcile they drive: observe, `reconcile.plan`, record the status,
+carry the plan out. Nothing is decided here.
 
-Every event (create, update, resume after an operator restart) and a timer every
-`status_poll_seconds` run the same `reconcile`, under one lock per job so the timer and an
-update never interleave. A reconcile that raises is retried by kopf with backoff; no input
-stops the operator (a malformed job ends up Failed/Invalid, see reconcile.plan).
+Reconciles are driven by events: a job's create, update or the operator's start (kopf), and
+any change to a pod labelled with a job (a pod watch). Each runs in the requeue scheduler's
+workers (requeue.py), never two at once for one job; after it, the job is due again when its
+plan says (`requeue_after`: a running learner's next `/status` poll, the end of a backoff, a
+TTL), else after a slow resync (`resync_seconds`). A terminal job without a TTL costs nothing
+until something changes.
+
+A transient API refusal (api_errors.classify: 429, a quota 403, 5xx) is retried after a delay
+with a warning event; any other error is logged and retried after the backoff base; no input
+stops the operator (a malformed job ends up Failed/Invalid, see reconcile.plan). Deletion is
+the garbage collector's: the job owns its pods and ConfigMap (ownerReferences), so no handler
+needs a finalizer and deleting a job or its namespace never waits for the operator.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from datetime import UTC, datetime
 
@@ -18,20 +26,22 @@ import httpx
 import kopf
 from kubernetes.client.exceptions import ApiException
 
+from orbit_operator.api_errors import classify
 from orbit_operator.crd import GROUP, PLURAL, VERSION
 from orbit_operator.kube import Kube
-from orbit_operator.pod import object_names, owner_reference
-from orbit_operator.reconcile import Observed, plan, pod_rejected
+from orbit_operator.observe import Observed, observe
+from orbit_operator.pod import LABEL_JOB, object_names, owner_reference
+from orbit_operator.pod_health import terminating
+from orbit_operator.reconcile import Plan, plan, pod_rejected
+from orbit_operator.requeue import RequeueScheduler
 from orbit_operator.settings import OperatorSettings
 from orbit_operator.status import learner_final_status
 from orbit_runtime.observability import metrics
 
 log = logging.getLogger("orbit_operator")
-FAULT_EXIT_AFTER_POD_CREATE = "ORBIT_FAULT_EXIT_AFTER_POD_CREATE"  # tests only: die between creating a pod and recording it
+FAULT_EXIT_AFTER_POD_CREATE = "ORBIT_FAULT_EXIT_AFTER_POD_CREATE"  # tests only: die right after creating a pod
 SETTINGS = OperatorSettings.from_env()
 _kube: Kube | None = None
-_locks: dict[str, threading.Lock] = {}
-_locks_guard = threading.Lock()
 _phases: dict[str, str] = {}  # namespace/name -> phase, for orbit_operator_jobs
 
 
@@ -45,19 +55,14 @@ def kube() -> Kube:
     return _kube
 
 
-def _lock(key: str) -> threading.Lock:
-    with _locks_guard:
-        return _locks.setdefault(key, threading.Lock())
-
-
 def _count_phases() -> None:
     for phase in ("Pending", "Preparing", "Running", "Succeeded", "Failed", "Suspended"):
         metrics.OPERATOR_JOBS.labels(phase).set(sum(1 for p in _phases.values() if p == phase))
 
 
-def learner_status(pod: dict | None) -> dict | None:
-    """The learner's /status at the pod's IP; once the pod has finished, its termination message;
-    None when neither is there (not running yet, not answering, or failed)."""
+def learner_status(pod: dict | None) -> object:
+    """The learner's /status at the pod's IP (JSON, untrusted: reconcile.plan parses it); once the pod
+    has finished, its termination message; None when neither is there (not running yet, not answering)."""
     if pod is not None and (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
         return learner_final_status(pod)
     if pod is None or (pod.get("status") or {}).get("phase") != "Running":
@@ -76,103 +81,164 @@ def learner_status(pod: dict | None) -> dict | None:
         return None
 
 
-def reconcile(body: kopf.Body, logger: logging.Logger) -> None:
-    """Observe, plan, act, all under the job's lock: the job is read again inside it and its status
-    written directly, so the timer and an event handler never plan from each other's stale status."""
-    namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
+class _Retry(Exception):
+    """A transient refusal: reconcile the job again after DELAY seconds."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__(delay)
+        self.delay = delay
+
+
+def reconcile(namespace: str, name: str) -> None:
+    """Observe, plan, record, act; then schedule the job's next reconcile. The status is written
+    before anything is deleted or created, so an operator that dies in between finds the decision
+    (a bumped attempt) and never matches a pod it was deleting."""
     key = f"{namespace}/{name}"
-    started = time.monotonic()
-    outcome = "error"
+    started, outcome, delay = time.monotonic(), "error", SETTINGS.backoff_base_seconds
     try:
-        with _lock(key):
-            api = kube()
-            job = api.job(namespace, name)
-            if job is None or job["metadata"].get("deletionTimestamp"):
-                outcome = "ok"
-                return
-            pods = api.job_pods(namespace, name)
-            attempt = int((job.get("status") or {}).get("attempt", 0))
-            current = next((p for p in pods if p["metadata"]["name"] == object_names(name, attempt)["pod"]), None)
-            now = datetime.now(UTC).replace(tzinfo=None)
-            observed = Observed(job=job, pods=pods, configmap=api.configmap(namespace, object_names(name, 0)["configmap"]),
-                                now=now, learner_status=learner_status(current))  # fmt: skip
-            decided = plan(observed, SETTINGS)
-            events = list(decided.events)
-            owner = owner_reference(name, job["metadata"]["uid"])
-            if decided.create_configmap is not None:
-                decided.create_configmap["metadata"]["ownerReferences"] = [owner]
-                api.apply_configmap(decided.create_configmap)
-            for pod_name in decided.delete_pods:
-                api.delete_pod(namespace, pod_name)
-            if decided.create_pod is not None:
-                decided.create_pod["metadata"]["ownerReferences"] = [owner]
-                try:
-                    created = api.create_pod(decided.create_pod)
-                except ApiException as exc:
-                    if exc.status is None or not 400 <= exc.status < 500:
-                        raise
-                    message = f"the API server refused pod {decided.create_pod['metadata']['name']}: {exc.status} {exc.reason}: " \
-                              f"{(exc.body or '')[:600]}"  # fmt: skip
-                    decided.status = pod_rejected(decided.status, message, now)
-                    events = [("Warning", "PodRejected", message[:1000])]
-                    created = False
-                if created and os.environ.get(FAULT_EXIT_AFTER_POD_CREATE):
-                    os._exit(70)  # fault injection for tests: the pod exists, the status does not say so yet
-                if created:
-                    metrics.OPERATOR_POD_CREATIONS.inc()
-                else:  # an earlier reconcile made it, or it was refused
-                    events = [e for e in events if e[1] != "PodCreated"]
-            for type_, reason, message in events:
-                kopf.event(body, type=type_, reason=reason, message=message)
-                if reason == "DoesNotFit":  # posted once per verdict: at admission (no pod yet) or from the pod's prepare-base
-                    metrics.OPERATOR_DOES_NOT_FIT.labels("prepare_base" if decided.status.get("podName") else "admission").inc()
-            old = {k: v for k, v in (job.get("status") or {}).items() if not k.startswith("kopf")}
-            new = {k: v for k, v in decided.status.items() if not k.startswith("kopf")}
-            if new != old:  # a quiet timer tick writes nothing
-                api.patch_job_status(namespace, name, {**{k: None for k in old if k not in new}, **new})
-            _phases[key] = new.get("phase", "Pending")
-            if decided.delete_job:
-                logger.info("ttlSecondsAfterFinished passed: deleting the job")
-                api.delete_job(namespace, name)
-            outcome = "invalid" if any(c.get("type") == "Invalid" for c in new.get("conditions", [])) else "ok"
+        job = kube().job(namespace, name)
+        if job is None or job["metadata"].get("deletionTimestamp"):
+            _forget(namespace, name)
+            outcome, delay = "ok", None
+            return
+        decided = _reconcile(job)
+        _phases[key] = decided.status.get("phase", "Pending")
+        if decided.delete_job:
+            log.info("%s: ttlSecondsAfterFinished passed: deleting the job", key)
+            kube().delete_job(namespace, name)
+            outcome, delay = "ok", None
+            return
+        outcome = "invalid" if any(c.get("type") == "Invalid" for c in decided.status.get("conditions", [])) else "ok"
+        delay = decided.requeue_after if decided.requeue_after is not None else SETTINGS.resync_seconds
+    except _Retry as retry:
+        outcome, delay = "retry", retry.delay
+    except Exception:  # noqa: BLE001 - an API or network failure: logged, tried again after the backoff base
+        log.exception("reconcile of %s failed; again in %.0fs", key, delay)
     finally:
         metrics.OPERATOR_RECONCILES.labels(outcome).inc()
         metrics.OPERATOR_RECONCILE_DURATION.observe(time.monotonic() - started)
         _count_phases()
+        if delay is not None and SCHEDULER is not None:
+            SCHEDULER.schedule(namespace, name, delay)
+
+
+def _reconcile(job: dict) -> Plan:
+    api, meta = kube(), job["metadata"]
+    namespace, name = meta["namespace"], meta["name"]
+    pods = api.job_pods(namespace, name)
+    configmap = api.configmap(namespace, object_names(name, 0)["configmap"])
+    now = datetime.now(UTC).replace(tzinfo=None)
+    view = observe(Observed(job=job, pods=pods, configmap=configmap, now=now))
+    current = view.pod(object_names(name, view.attempt)["pod"])
+    learner = learner_status(current) if current is not None and not terminating(current) else None
+    decided = plan(Observed(job=job, pods=pods, configmap=configmap, now=now, learner_status=learner), SETTINGS)
+    events = list(decided.events)
+    owner = owner_reference(name, meta["uid"])
+    if decided.create_configmap is not None:  # idempotent: the applied spec the status is about to name
+        decided.create_configmap["metadata"]["ownerReferences"] = [owner]
+        api.apply_configmap(decided.create_configmap)
+    old = {k: v for k, v in (job.get("status") or {}).items() if not k.startswith("kopf")}
+    written = _record(api, namespace, name, old, decided.status)  # record first ...
+    for pod_name in decided.delete_pods:  # ... then act
+        api.delete_pod(namespace, pod_name)
+    if decided.create_pod is not None:
+        decided.create_pod["metadata"]["ownerReferences"] = [owner]
+        created = _create_pod(api, job, decided)
+        if created is None:  # refused for good: the status says why
+            decided.status = pod_rejected(decided.status, decided.rejection, now, meta.get("generation"))
+            events = [("Warning", "PodRejected", decided.rejection[:1000])]
+            _record(api, namespace, name, written, decided.status)
+        elif created and os.environ.get(FAULT_EXIT_AFTER_POD_CREATE):
+            os._exit(70)  # fault injection for tests: the pod exists, the events are not posted
+        if created:
+            metrics.OPERATOR_POD_CREATIONS.inc()
+        else:  # an earlier reconcile made it, or it was refused
+            events = [e for e in events if e[1] != "PodCreated"]
+    for type_, reason, message in events:
+        api.post_event(job, type_, reason, message)
+        if reason == "DoesNotFit":  # posted once per verdict: at admission (no pod yet) or from the pod's prepare-base
+            metrics.OPERATOR_DOES_NOT_FIT.labels("prepare_base" if decided.status.get("podName") else "admission").inc()
+    return decided
+
+
+def _record(api: Kube, namespace: str, name: str, old: dict, status: dict) -> dict:
+    """Write STATUS if it differs from OLD (a quiet poll writes nothing); returns what is stored now."""
+    new = {k: v for k, v in status.items() if not k.startswith("kopf")}
+    if new != old:
+        api.patch_job_status(namespace, name, {**{k: None for k in old if k not in new}, **new})
+    return new
+
+
+def _create_pod(api: Kube, job: dict, decided: Plan) -> bool | None:
+    """Create the plan's pod: True, False if it exists (an earlier reconcile made it), None if the API
+    server refused it for good (decided.rejection says why). A transient refusal (a 429, a quota 403,
+    a 5xx) raises _Retry, after a warning event and a metric."""
+    pod = decided.create_pod
+    try:
+        return api.create_pod(pod)
+    except ApiException as exc:
+        kind = classify(exc, default_delay=SETTINGS.backoff_base_seconds)
+        message = f"the API server refused pod {pod['metadata']['name']}: {kind.summary}"
+        if kind.transient:
+            metrics.OPERATOR_API_RETRIES.labels("create_pod", str(exc.status or 0)).inc()
+            api.post_event(job, "Warning", "PodCreateRetrying", f"{message}; retrying in {kind.retry_after:.0f}s"[:1000])
+            raise _Retry(kind.retry_after) from exc
+        decided.rejection = message
+        return None
+
+
+def _forget(namespace: str, name: str) -> None:
+    _phases.pop(f"{namespace}/{name}", None)
+    if SCHEDULER is not None:
+        SCHEDULER.forget(namespace, name)
+
+
+SCHEDULER: RequeueScheduler | None = None
 
 
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, **_) -> None:
+    global SCHEDULER
     settings.posting.level = logging.INFO
+    # no handler needs a finalizer, so kopf adds none; it keeps this name so that it removes the finalizer
+    # earlier Orbit versions put on jobs (their deletion then never waits for the operator)
     settings.persistence.finalizer = f"{GROUP}/cleanup"
     settings.watching.server_timeout = 60
     # watching listed namespaces: no cluster-wide scanning of namespaces and CRDs, so the operator needs
     # only a Role in each of them (the CRD must exist when it starts; it is found once, through discovery)
     settings.scanning.disabled = bool(SETTINGS.namespaces)
+    SCHEDULER = RequeueScheduler(reconcile, workers=SETTINGS.reconcile_workers)
+    SCHEDULER.start()
+
+
+@kopf.on.cleanup()
+def stop_scheduler(**_) -> None:
+    if SCHEDULER is not None:
+        SCHEDULER.stop()
 
 
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL)
 @kopf.on.resume(GROUP, VERSION, PLURAL)
-def on_change(body: kopf.Body, logger: logging.Logger, **_) -> None:
-    reconcile(body, logger)
+def on_change(name: str, namespace: str, **_) -> None:
+    """A job was created or edited, or the operator (re)started: reconcile it now."""
+    if SCHEDULER is not None:
+        SCHEDULER.schedule(namespace, name, 0.0)
 
 
-@kopf.timer(GROUP, VERSION, PLURAL, interval=SETTINGS.status_poll_seconds, sharp=False)
-def on_timer(body: kopf.Body, logger: logging.Logger, **_) -> None:
-    reconcile(body, logger)
+@kopf.on.event(GROUP, VERSION, PLURAL)
+def on_job_event(event: dict, **_) -> None:
+    """A deleted job: forget it. Its pods and ConfigMap are the garbage collector's (ownerReferences)."""
+    if event.get("type") == "DELETED":
+        meta = (event.get("object") or {}).get("metadata") or {}
+        _forget(meta.get("namespace", ""), meta.get("name", ""))
+        _count_phases()
 
 
-@kopf.on.delete(GROUP, VERSION, PLURAL)
-def on_delete(body: kopf.Body, logger: logging.Logger, **_) -> None:
-    """Remove the job's pods and ConfigMap (ownerReferences would too, in a cluster with a garbage collector)."""
-    meta = body["metadata"]
-    namespace, name = meta["namespace"], meta["name"]
-    with _lock(f"{namespace}/{name}"):
-        api = kube()
-        for pod in api.job_pods(namespace, name):
-            api.delete_pod(namespace, pod["metadata"]["name"])
-        api.delete_configmap(namespace, object_names(name, 0)["configmap"])
-    _phases.pop(f"{namespace}/{name}", None)
-    _count_phases()
-    logger.info("deleted the pods and ConfigMap of %s/%s", namespace, name)
+@kopf.on.event("", "v1", "pods", labels={LABEL_JOB: kopf.PRESENT})
+def on_pod_event(event: dict, **_) -> None:
+    """A pod of a job changed (started, failed, finished, went away): reconcile its job now."""
+    meta = (event.get("object") or {}).get("metadata") or {}
+    job = (meta.get("labels") or {}).get(LABEL_JOB)
+    if job and SCHEDULER is not None:
+        SCHEDULER.schedule(meta.get("namespace", ""), job, 0.0)

@@ -5,6 +5,7 @@ exists adopts it, deleting what is gone is done."""
 from __future__ import annotations
 
 import logging
+from datetime import UTC, datetime
 
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
@@ -79,8 +80,23 @@ class Kube:
     def delete_pod(self, namespace: str, name: str) -> None:
         _unless_gone(lambda: self.core.delete_namespaced_pod(name, namespace))
 
-    def delete_configmap(self, namespace: str, name: str) -> None:
-        _unless_gone(lambda: self.core.delete_namespaced_config_map(name, namespace))
+    def post_event(self, obj: dict, type_: str, reason: str, message: str) -> None:
+        """A core v1 Event about OBJ (a job as read: apiVersion, kind, metadata), as `kubectl describe` shows it.
+        Best effort: an event that cannot be posted is logged, never a failed reconcile."""
+        meta = obj["metadata"]
+        stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        body = {
+            "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+            "involvedObject": {"apiVersion": obj.get("apiVersion", f"{GROUP}/{VERSION}"), "kind": obj.get("kind", "RLTrainingJob"),
+                               "name": meta["name"], "namespace": meta["namespace"], "uid": meta.get("uid")},
+            "type": type_, "reason": reason, "message": message[:1024], "count": 1,
+            "firstTimestamp": stamp, "lastTimestamp": stamp, "source": {"component": "orbit-operator"},
+            "reportingComponent": "orbit-operator",
+        }  # fmt: skip
+        try:
+            self.core.create_namespaced_event(meta["namespace"], body)
+        except ApiException as exc:
+            log.warning("could not post event %s on %s/%s: %s %s", reason, meta["namespace"], meta["name"], exc.status, exc.reason)
 
     def delete_job(self, namespace: str, name: str) -> None:
         _unless_gone(lambda: self.custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name))

@@ -1,347 +1,337 @@
 """What to do for one RLTrainingJob, decided from what is observed. Pure: no API calls.
 
-`plan(observed, settings)` looks at the job (spec, status, generation), its pods and its
-ConfigMap, the learner's last `/status`, and the time, and returns a `Plan`: objects to
-create or delete, the status to write, the events to post. The handlers (handlers.py)
-observe, call `plan`, and carry it out; running the same plan twice is harmless, because
-every object has a deterministic name and every decision is read off the status the
-previous run wrote.
+`plan(observed, settings)` reads the job, its pods and ConfigMap, the learner's last
+`/status` and the time (observe.py types them: what is *ours* is decided by the controller
+ownerReference's UID, never by a label or a name), and returns a `Plan`: objects to create or
+delete, the status to write, the events to post. The handlers (handlers.py) write the status
+first and act after, so an operator that dies in between finds the decision recorded; running
+the same plan twice is harmless, because every object has a deterministic name.
 
-The applied spec: the ConfigMap records the spec the job's pods are built from. It is
-replaced by the current spec only when the job (re)starts: the first pod, a resume after
-`suspend`, a new `restartId`. A pod that replaces a failed one is built from the applied
-spec, so a change the running job could not take never slips in through a failure.
+The applied spec: our ConfigMap records the spec our pods are built from. It is replaced by
+the current spec only when the job (re)starts: the first pod, a resume after `suspend`, a new
+`restartId`. A pod that replaces a failed one is built from the applied spec, so a change the
+running job could not take never slips in through a failure, and a bad edit never stops retries.
 
 Lifecycle:
-- invalid spec, no pod -> Failed with an `Invalid` condition naming the fields; while a
-  pod runs, the pod is kept (a typo never kills a run) and only `Invalid` is set;
+- terminal stays terminal: a Succeeded or Failed job never changes phase or runs again. The
+  exception is a job that never ran because its spec was invalid or it did not fit its node:
+  an edit that fixes it starts it.
+- the spec is validated always (an `Invalid` condition names the fields) but needed only to
+  build from it: a never-started job with an invalid spec is Failed; a running one keeps its
+  pod and its lifecycle (suspend, retries from the applied spec, the deadline, the TTL: those
+  fields are read on their own, observe.lifecycle_of); a resume or restart waits for a fix;
 - suspend: true -> the pod is deleted, status kept, phase Suspended; false -> a new pod (the
-  learner resumes from the last checkpoint) and the deadline clock restarts, as for Jobs;
+  learner resumes from the last checkpoint), `Suspended=False` (Resumed);
 - a pod fails -> `failures` + 1; within backoffLimit a new pod (attempt + 1) after an
-  exponential backoff, else Failed (BackoffLimitExceeded);
-- a changed `restartId` -> a new pod with the current spec (not counted as a failure);
-- activeDeadlineSeconds passed -> pod deleted, Failed (DeadlineExceeded);
-- finished (or Failed as invalid) + ttlSecondsAfterFinished passed -> the job is deleted;
+  exponential backoff, else Failed (BackoffLimitExceeded). A pod failed by a disruption
+  (preemption, eviction: a `DisruptionTarget` condition) is replaced without counting, as
+  Jobs' podFailurePolicy does; a learner that stopped itself for training off-policy fails
+  the job (OffPolicy) without a retry that would do the same;
+- a changed `restartId` -> a new pod with the current spec (not counted as a failure); on a
+  terminal job it is ignored, with a warning event;
+- activeDeadlineSeconds counts from when the pod left the queue (scheduled), not while it
+  waits for admission; suspend resets it, as for Jobs;
+- finished + ttlSecondsAfterFinished passed -> the job is deleted;
 - a spec change other than the lifecycle fields while the job runs is refused: a
   `SpecChangeRefused` condition names the fields (apply it with a new restartId, or by
-  suspending and resuming);
-- no new pod while an old one of the job is still terminating (two learners never write
-  the same checkpoints);
-- does it fit its node? Before the job ever starts, when it names its architecture
-  (base.architecture / base.modelConfig) the operator plans it (orbit_operator.fit): a job
-  that cannot fit is Failed with reason DoesNotFit and the breakdown, no pod created; one
-  that fits records the plan's summary in status.plan. The first pod's prepare-base plans
-  again with the base's own config.json and fails the pod with DoesNotFit, which fails the
-  job the same way (no retry: another pod would not fit either). Either way the job never
-  ran, and an edit that makes it fit starts it. Later pods (retries, resumes) never enforce
-  the plan: a running job is never refused by a stricter planner.
+  suspending and resuming); `status.observedGeneration` moves only to generations applied;
+- no new pod while an old one of ours is still terminating, or while pods or a ConfigMap of
+  the job's name that are not ours (a deleted job of the same name) are still there: two
+  learners never write the same checkpoints;
+- Ready is the pod's `Ready` condition: a terminating pod (PodTerminating, NodeUnreachable) or
+  a crash-looping container is not ready, and a terminating pod's learner is not polled;
+- `OnPolicy`: the learner's on-policy guard (its `/status`), with the figures;
+- does it fit its node? Before the job ever starts, when it names its architecture the
+  operator plans it (orbit_operator.fit): a job that cannot fit is Failed with reason
+  DoesNotFit and the breakdown, no pod created. The first pod's prepare-base plans again with
+  the base's own config.json and fails the pod with DoesNotFit, which fails the job the same
+  way. Later pods (retries, resumes) never enforce the plan.
+- attempt and failures are rebuilt from the owned pods (their attempt label) when the status
+  lost them (a backup restore, an edit of the status): a wiped status is not replayed to Failed.
 """
 
 from __future__ import annotations
 
-import copy
-from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
+from orbit_operator.decision import TIME_FORMAT, Decision, Plan, parse_time, ttl_plan
 from orbit_operator.fit import admission_fit
 from orbit_operator.job_spec import RLTrainingJobSpec
-from orbit_operator.pod import applied_spec, build_configmap, build_pod, object_names
-from orbit_operator.settings import OperatorSettings
-from orbit_operator.status import (
-    TERMINAL,
-    backoff_seconds,
+from orbit_operator.observe import JobView, Observed, observe
+from orbit_operator.pod import build_configmap, build_pod, object_names
+from orbit_operator.pod_health import (
+    disrupted,
+    disruption_reason,
+    failure_reason,
+    pending_reason,
     phase_of_pod,
-    prepare_base_report,
-    progress_from_learner,
-    set_condition,
+    scheduled,
+    terminating,
+    unready,
 )
+from orbit_operator.settings import OperatorSettings
+from orbit_operator.spec_changes import refused_changes
+from orbit_operator.status import TERMINAL, backoff_seconds, learner_final_status, prepare_base_report, set_condition
 from orbit_operator.validation import validate_job
-from orbit_runtime.config.fingerprint import describe_differences
 from orbit_runtime.errors import OrbitError
 
-LIFECYCLE_FIELDS = ("suspend", "restartId", "backoffLimit", "activeDeadlineSeconds", "ttlSecondsAfterFinished")
-TIME_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
+__all__ = ["Observed", "Plan", "plan", "pod_rejected", "refused_changes"]
+WAIT_SECONDS = 2.0  # look again this soon while something we wait for (a terminating pod) goes away
 
 
-def _time(value: str | None) -> datetime | None:
-    if not value:
-        return None
-    try:
-        return datetime.strptime(value, TIME_FORMAT)
-    except ValueError:
-        return None
-
-
-@dataclass
-class Observed:
-    job: dict  # the RLTrainingJob as read (metadata, spec, status)
-    pods: list[dict]  # the pods labelled with this job
-    configmap: dict | None
-    now: datetime  # naive UTC
-    learner_status: dict | None = None  # the running learner's /status, if it answered
-
-
-@dataclass
-class Plan:
-    status: dict  # the whole new status
-    create_configmap: dict | None = None
-    create_pod: dict | None = None
-    delete_pods: list[str] = field(default_factory=list)
-    delete_job: bool = False
-    events: list[tuple[str, str, str]] = field(default_factory=list)  # (Normal|Warning, reason, message)
-    requeue_after: float | None = None
-
-
-def _flat(data: dict, prefix: str = "") -> dict:
-    out: dict = {}
-    for key, value in data.items():
-        name = f"{prefix}.{key}" if prefix else str(key)
-        if isinstance(value, dict) and value:
-            out.update(_flat(value, name))
-        else:
-            out[name] = value
-    return out
-
-
-PLANNER_ONLY_FIELDS = ("base.architecture", "base.modelConfig")  # read by the admission plan only: the pod never changes
-
-
-def _spec_fields(spec: RLTrainingJobSpec) -> dict:
-    fields = _flat({k: v for k, v in spec.model_dump(mode="json").items() if k not in LIFECYCLE_FIELDS})
-    return {k: v for k, v in fields.items() if not k.startswith(PLANNER_ONLY_FIELDS)}
-
-
-def refused_changes(applied: RLTrainingJobSpec | None, spec: RLTrainingJobSpec) -> list[str]:
-    """Fields (other than the lifecycle ones) whose value differs between the applied spec and the current one."""
-    if applied is None:
-        return []
-    return describe_differences(_spec_fields(applied), _spec_fields(spec), labels=("running", "spec"))
-
-
-def _pending_reason(pod: dict) -> str:
-    """Why a pod has not started: a container waiting reason (ImagePullBackOff, CreateContainerConfigError, ...)
-    or the scheduler's message; empty if it is just starting."""
-    status = pod.get("status") or {}
-    for container in [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]:
-        waiting = (container.get("state") or {}).get("waiting") or {}
-        if waiting.get("reason") not in (None, "ContainerCreating", "PodInitializing"):
-            return f"{container.get('name')}: {waiting['reason']}" + (f" ({waiting['message']})" if waiting.get("message") else "")
-    for condition in status.get("conditions") or []:
-        if condition.get("type") == "PodScheduled" and condition.get("status") == "False":
-            return f"unschedulable: {condition.get('message') or condition.get('reason', '')}"
-    return ""
-
-
-def _raw_ttl(job: dict) -> int | None:
-    value = (job.get("spec") or {}).get("ttlSecondsAfterFinished") if isinstance(job.get("spec"), dict) else None
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
-
-
-def _ttl_plan(status: dict, ttl: int | None, now: datetime) -> Plan:
-    """A finished job: deleted once its TTL passed, else looked at again then."""
-    finished = _time(status.get("completionTime"))
-    if ttl is None or finished is None:
-        return Plan(status)
-    due = finished + timedelta(seconds=ttl)
-    return Plan(status, delete_job=True) if now >= due else Plan(status, requeue_after=(due - now).total_seconds())
+def _may_start_again(d: Decision) -> bool:
+    """A Failed job that never ran because its spec was invalid (checked again each time) or it did not
+    fit its node (planned again once its spec changed) may start; nothing else leaves a terminal phase."""
+    if d.status.get("phase") != "Failed" or d.status.get("startTime"):
+        return False
+    failed = d.old.get("Failed") or {}
+    if failed.get("reason") == "InvalidSpec" or (not failed and d.is_true("Invalid")):
+        return True
+    edited = d.view.status.get("observedGeneration") != d.view.generation
+    return failed.get("reason") == "DoesNotFit" and edited
 
 
 def plan(observed: Observed, settings: OperatorSettings) -> Plan:  # noqa: C901 - one decision table, read top to bottom
-    job, now = observed.job, observed.now
-    meta, status = job.get("metadata", {}), copy.deepcopy(dict(job.get("status") or {}))
-    name, namespace = meta.get("name", ""), meta.get("namespace", "default")
-    stamp = now.strftime(TIME_FORMAT)
-    status["observedGeneration"] = meta.get("generation")
-    conditions = list(status.get("conditions") or [])
-    old_conditions = {c.get("type"): c for c in conditions}
-    old_phase = status.get("phase")
-    events: list[tuple[str, str, str]] = []
-    active = _active(observed.pods)
+    view = observe(observed)
+    d, now, life = Decision(view, observed.now), observed.now, view.lifecycle
+    status, phase = d.status, d.status.get("phase")
 
-    recorded_phase = old_phase  # what the status said: transitions are announced against it
+    # terminal stays terminal
+    if phase in TERMINAL and not _may_start_again(d):
+        if life.restartId != status.get("restartId", "") and status.get("ignoredRestartId") != life.restartId:
+            d.event("Warning", "RestartIgnored", f"the job is {phase}: restartId {life.restartId!r} is ignored (create a new job)")
+            status["ignoredRestartId"] = life.restartId
+        return d.finish(phase, ttl_plan(status, life.ttlSecondsAfterFinished, now))
 
-    def finish(phase: str, result: Plan | None = None, **extra) -> Plan:
-        status.update(phase=phase, conditions=conditions, **extra)
-        result = result or Plan(status)
-        result.status = status
-        if phase != recorded_phase:
-            events.append(("Warning" if phase == "Failed" else "Normal", phase, f"{recorded_phase or 'New'} -> {phase}"))
-        result.events = events + result.events
-        return result
-
-    def newly(type_: str, message: str) -> bool:
-        """Is condition TYPE being set True with this message for the first time (post its event once)?"""
-        old = old_conditions.get(type_)
-        return not (old and old.get("status") == "True" and old.get("message") == message)
-
-    check = validate_job(job, f"RLTrainingJob {namespace}/{name}", settings.max_gpus_per_node, settings.allow_image_override)
-    if not check.ok:
-        message = "; ".join(check.errors)[:1000]
-        if newly("Invalid", message):
-            events.append(("Warning", "Invalid", message))
-        conditions = set_condition(conditions, "Invalid", True, "InvalidSpec", message, stamp)
-        if active:  # keep the run: only a fresh start needs a valid spec
-            return finish(old_phase or "Running")
-        conditions = set_condition(conditions, "Ready", False, "InvalidSpec", "the spec is invalid", stamp)
-        status.setdefault("completionTime", stamp)
-        return finish("Failed", _ttl_plan(status, _raw_ttl(job), now))
-    was_invalid_failure = old_phase == "Failed" and old_conditions.get("Invalid", {}).get("status") == "True"
-    conditions = [c for c in conditions if c.get("type") != "Invalid"]
-    spec: RLTrainingJobSpec = check.spec  # type: ignore[assignment]
-    if was_invalid_failure:  # the spec was fixed: the job starts now
-        old_phase = None
+    # the spec: always checked, needed only to build a pod from it
+    check = validate_job(observed.job, f"RLTrainingJob {view.namespace}/{view.name}", settings.max_gpus_per_node,
+                         settings.allow_image_override)  # fmt: skip
+    spec: RLTrainingJobSpec | None = check.spec if check.ok else None
+    invalid = "; ".join(check.errors)[:1000]
+    if spec is None:
+        if d.newly("Invalid", invalid):
+            d.event("Warning", "Invalid", invalid)
+        d.condition("Invalid", True, "InvalidSpec", invalid)
+        d.applied = False
+    else:
+        d.drop("Invalid")
+    if phase in TERMINAL:  # it never ran: Invalid or DoesNotFit, and may start now
+        if spec is None:
+            return d.finish(phase, ttl_plan(status, life.ttlSecondsAfterFinished, now))
+        if (d.old.get("Failed") or {}).get("reason") == "InvalidSpec" or d.is_true("Invalid"):
+            d.event("Normal", "SpecFixed", "the spec is valid now")
+        d.drop("Failed")
         status.pop("completionTime", None)
-        status["reapply"] = True
-        events.append(("Normal", "SpecFixed", "the spec is valid now"))
+        status["reapply"], phase = True, None  # its next pod takes the edited spec
+    never_started = not status.get("startTime") and not view.owned
+    if spec is None and never_started:
+        d.condition("Failed", True, "InvalidSpec", invalid)
+        d.condition("Ready", False, "InvalidSpec", "the spec is invalid")
+        status.setdefault("completionTime", d.stamp)
+        return d.finish("Failed", ttl_plan(status, life.ttlSecondsAfterFinished, now))
 
-    failed = old_conditions.get("Failed") or {}
-    edited = (job.get("status") or {}).get("observedGeneration") != meta.get("generation")
-    if old_phase == "Failed" and failed.get("reason") == "DoesNotFit" and not status.get("startTime") and edited:
-        old_phase = None  # refused before it ever ran, and its spec changed since: planned again
-        status.pop("completionTime", None)
-        status["reapply"] = True  # its next pod takes the edited spec, not the one the refused pod was built from
-        conditions = [c for c in conditions if c.get("type") != "Failed"]
-    if old_phase in TERMINAL:
-        return finish(old_phase, _ttl_plan(status, spec.ttlSecondsAfterFinished, now))
-    if not status.get("startTime") and not active:
+    # does it fit its node? (before it ever starts)
+    if spec is not None and not status.get("startTime") and not view.active:
         try:
             fit = admission_fit(spec, settings)
         except (OrbitError, ValueError) as exc:  # e.g. a linear the group size cannot split: the planner cannot judge it
             fit, status["plan"] = None, f"not planned: {exc}"[:500]
         if fit is not None and not fit.fits:
             message = fit.message()[:1000]
-            if failed.get("reason") != "DoesNotFit" or failed.get("message") != message:
-                events.append(("Warning", "DoesNotFit", message))
-            conditions = set_condition(conditions, "Failed", True, "DoesNotFit", message, stamp)
-            conditions = set_condition(conditions, "Ready", False, "DoesNotFit", "the job cannot fit its node", stamp)
-            status.update(plan=fit.summary()[:500], completionTime=stamp)
-            return finish("Failed", _ttl_plan(status, spec.ttlSecondsAfterFinished, now))
+            old = d.old.get("Failed") or {}
+            if old.get("reason") != "DoesNotFit" or old.get("message") != message:
+                d.event("Warning", "DoesNotFit", message)
+            d.condition("Failed", True, "DoesNotFit", message)
+            d.condition("Ready", False, "DoesNotFit", "the job cannot fit its node")
+            status.update(plan=fit.summary()[:500], completionTime=d.stamp)
+            return d.finish("Failed", ttl_plan(status, life.ttlSecondsAfterFinished, now))
         if fit is not None:
             status["plan"] = fit.summary()[:500]
 
-    attempt, failures = int(status.get("attempt", 0)), int(status.get("failures", 0))
-    pod_name = object_names(name, attempt)["pod"]
-    pod = next((p for p in observed.pods if p["metadata"]["name"] == pod_name), None)
-    applied = applied_spec(observed.configmap)
+    attempt, failures = view.attempt, view.failures
+    status.update(attempt=attempt, failures=failures)
+    pod_name = object_names(view.name, attempt)["pod"]
+    pod = view.pod(pod_name)
 
-    if spec.suspend:
-        conditions = set_condition(conditions, "Suspended", True, "Suspended", "spec.suspend is true", stamp)
-        if active:  # the next pod gets a new name: never confused with the one still terminating
+    if life.suspend:
+        d.condition("Suspended", True, "Suspended", "spec.suspend is true")
+        if view.current_is_active:  # the next pod gets a new name: never confused with the one still terminating
             status["attempt"] = attempt + 1
         status["reapply"] = True
-        return finish("Suspended", Plan(status, delete_pods=active))
-    conditions = [c for c in conditions if c.get("type") != "Suspended"]
-    started = _time(status.get("startTime"))
-    if spec.activeDeadlineSeconds is not None and started is not None and old_phase != "Suspended":
-        if now >= started + timedelta(seconds=spec.activeDeadlineSeconds):
-            conditions = set_condition(conditions, "Failed", True, "DeadlineExceeded",
-                                       f"ran longer than activeDeadlineSeconds ({spec.activeDeadlineSeconds})", stamp)  # fmt: skip
-            return finish("Failed", Plan(status, delete_pods=active), completionTime=stamp)
+        status.pop("activeSince", None)  # the deadline restarts on resume
+        return d.finish("Suspended", Plan(status, delete_pods=view.active))
+    if d.is_true("Suspended"):
+        d.condition("Suspended", False, "Resumed", "spec.suspend is false")
 
-    if status.get("restartId", "") != spec.restartId and "podName" not in status:
-        status["restartId"] = spec.restartId  # set from the start: nothing to restart
-    if status.get("restartId", "") != spec.restartId:
-        events.append(("Normal", "Restarting", f"restartId changed to {spec.restartId!r}: a new pod with the current spec"))
-        status.update(restartId=spec.restartId, reapply=True)
-        if active:
-            status["attempt"] = attempt + 1
-            return finish(old_phase or "Pending", Plan(status, delete_pods=active))
-    reapply = bool(status.get("reapply")) or applied is None
-    changes = [] if reapply else refused_changes(applied, spec)
+    if pod is not None and scheduled(pod) and not terminating(pod):
+        status.setdefault("activeSince", d.stamp)  # the deadline counts from here, not while queued
+    active_since = parse_time(status.get("activeSince"))
+    if life.activeDeadlineSeconds is not None and active_since is not None:
+        if now >= active_since + timedelta(seconds=life.activeDeadlineSeconds):
+            d.condition("Failed", True, "DeadlineExceeded", f"ran longer than activeDeadlineSeconds ({life.activeDeadlineSeconds})")
+            return d.finish("Failed", Plan(status, delete_pods=view.active), completionTime=d.stamp)
+
+    if status.get("restartId", "") != life.restartId and "podName" not in status:
+        status["restartId"] = life.restartId  # set from the start: nothing to restart
+    if status.get("restartId", "") != life.restartId and spec is not None:  # an invalid spec cannot restart: Invalid says why
+        d.event("Normal", "Restarting", f"restartId changed to {life.restartId!r}: a new pod with the current spec")
+        status.update(restartId=life.restartId, reapply=True)
+        if view.active:
+            status["attempt"] = attempt + 1 if view.current_is_active else attempt
+            return d.finish(phase or "Pending", Plan(status, delete_pods=view.active))
+    reapply = bool(status.get("reapply")) or view.applied is None
+    changes = [] if reapply or spec is None else refused_changes(view.applied, spec)
     if changes:
         message = "cannot change while the job runs (set a new restartId, or suspend and resume): " + "; ".join(changes)
-        if newly("SpecChangeRefused", message[:900]):
-            events.append(("Warning", "SpecChangeRefused", "; ".join(changes)[:900]))
-        conditions = set_condition(conditions, "SpecChangeRefused", True, "ImmutableWhileRunning", message[:900], stamp)
+        if d.newly("SpecChangeRefused", message[:900]):
+            d.event("Warning", "SpecChangeRefused", "; ".join(changes)[:900])
+        d.condition("SpecChangeRefused", True, "ImmutableWhileRunning", message[:900])
+        d.applied = False
     else:
-        conditions = [c for c in conditions if c.get("type") != "SpecChangeRefused"]
+        d.drop("SpecChangeRefused")
 
     if pod is None:
-        if any(p["metadata"].get("deletionTimestamp") for p in observed.pods):
-            return finish(old_phase or "Pending", Plan(status, requeue_after=2.0))  # wait until the old pod is gone
-        retry_at = _time(status.get("nextAttemptAt"))
-        if retry_at is not None and now < retry_at:
-            return finish(old_phase or "Pending", Plan(status, requeue_after=(retry_at - now).total_seconds()))
-        use = spec if reapply else applied
-        first_start = not status.get("startTime")  # only the job's first pod may refuse it for not fitting
-        new_pod = build_pod(name, namespace, use, settings, attempt, enforce_fit=first_start)  # type: ignore[arg-type]
-        if old_phase == "Suspended" or not status.get("startTime"):
-            status["startTime"] = stamp  # the deadline counts from the (re)start
-        status.update(podName=pod_name)
-        for key in ("nextAttemptAt", "reapply"):
-            status.pop(key, None)
-        conditions = set_condition(conditions, "Ready", False, "PodCreated", f"pod {pod_name} created", stamp)
-        events.append(("Normal", "PodCreated", f"created pod {pod_name} (attempt {attempt})"))
-        configmap = build_configmap(name, namespace, use, settings) if reapply else None  # type: ignore[arg-type]
-        return finish("Pending", Plan(status, create_configmap=configmap, create_pod=new_pod, requeue_after=2.0))
+        return _create_pod(d, view, spec if reapply else view.applied, pod_name, settings, phase)
+    return _follow_pod(d, view, pod, pod_name, settings, phase)
 
-    pod_phase = phase_of_pod(pod)
+
+def _create_pod(d: Decision, view: JobView, use: RLTrainingJobSpec | None, pod_name: str, settings: OperatorSettings,
+                phase: str | None) -> Plan:  # fmt: skip
+    """No pod of the current attempt: make one, unless something must go first."""
+    status, now = d.status, d.now
+    older = [name for name in view.active if name != pod_name]  # an earlier attempt's pod whose DELETE failed: again
+    if older:
+        d.condition("Ready", False, "WaitingForOldObjects", "deleting the pods of earlier attempts: " + ", ".join(older))
+        return d.finish(phase or "Pending", Plan(status, delete_pods=older, requeue_after=WAIT_SECONDS))
+    waiting = [*view.owned_terminating, *view.foreign] + ([f"ConfigMap {view.name}-config"] if view.foreign_configmap else [])
+    if waiting:  # an old pod of ours, or a deleted job's objects of the same name, awaiting garbage collection
+        d.condition("Ready", False, "WaitingForOldObjects", "waiting until these are gone: " + ", ".join(sorted(waiting))[:800])
+        return d.finish(phase or "Pending", Plan(status, requeue_after=WAIT_SECONDS))
+    retry_at = parse_time(status.get("nextAttemptAt"))
+    if retry_at is not None and now < retry_at:
+        return d.finish(phase or "Pending", Plan(status, requeue_after=(retry_at - now).total_seconds()))
+    if use is None:  # a (re)start needs the current spec, and it is invalid: the Invalid condition names the fields
+        d.condition("Ready", False, "InvalidSpec", "the spec is invalid: fix it to start")
+        return d.finish(phase or "Pending")
+    attempt = status["attempt"]
+    first_start = not status.get("startTime")  # only the job's first pod may refuse it for not fitting
+    new_pod = build_pod(view.name, view.namespace, use, settings, attempt, enforce_fit=first_start)
+    if phase == "Suspended" or first_start:
+        status["startTime"] = d.stamp
+    status["podName"] = pod_name
+    reapply = bool(status.pop("reapply", None)) or view.applied is None
+    status.pop("nextAttemptAt", None)
+    d.condition("Ready", False, "PodCreated", f"pod {pod_name} created")
+    d.event("Normal", "PodCreated", f"created pod {pod_name} (attempt {attempt})")
+    configmap = build_configmap(view.name, view.namespace, use, settings) if reapply else None
+    return d.finish("Pending", Plan(status, create_configmap=configmap, create_pod=new_pod, requeue_after=WAIT_SECONDS))
+
+
+def _follow_pod(d: Decision, view: JobView, pod: dict, pod_name: str, settings: OperatorSettings, phase: str | None) -> Plan:
+    """The current attempt's pod exists: the job's phase, readiness and progress follow it."""
+    status, life, attempt, failures = d.status, view.lifecycle, d.status["attempt"], d.status["failures"]
     status["podName"] = pod_name  # also for a pod an operator created just before it died (adopted)
+    status.setdefault("startTime", d.stamp)
     report = prepare_base_report(pod)
     if report and isinstance(report.get("plan"), str):
         status["plan"] = report["plan"][:500]
-    status.setdefault("startTime", stamp)
-    if observed.learner_status is not None:
-        status["progress"] = progress_from_learner(observed.learner_status)
+    _learner_progress(d, view)
+    if terminating(pod):  # deleted by someone else, or its node is gone: not ready, not polled, no new pod yet
+        reason, message = unready(pod) or ("PodTerminating", f"pod {pod_name} is terminating")
+        d.condition("Ready", False, reason, message)
+        return d.finish(phase or "Pending", Plan(status, requeue_after=WAIT_SECONDS))
+
+    pod_phase = phase_of_pod(pod)
     if pod_phase == "Succeeded":
-        conditions = set_condition(conditions, "Complete", True, "LearnerSucceeded", f"pod {pod_name} finished", stamp)
-        conditions = set_condition(conditions, "Ready", False, "Finished", "the job finished", stamp)
-        return finish("Succeeded", _ttl_plan({**status, "completionTime": stamp}, spec.ttlSecondsAfterFinished, now),
-                      completionTime=stamp)  # fmt: skip
+        d.condition("Complete", True, "LearnerSucceeded", f"pod {pod_name} finished")
+        d.condition("Ready", False, "Finished", "the job finished")
+        return d.finish("Succeeded", ttl_plan({**status, "completionTime": d.stamp}, life.ttlSecondsAfterFinished, d.now),
+                        completionTime=d.stamp)  # fmt: skip
     if pod_phase == "Failed" and report and report.get("reason") == "DoesNotFit":
         # only the first pod enforces the plan: the learner never ran, so the job counts as never started
         # (an edit that makes it fit starts it, as after a refusal at admission) and its next pod gets a new name
         message = str(report.get("message", ""))[:1000]
-        events.append(("Warning", "DoesNotFit", message))
-        conditions = set_condition(conditions, "Failed", True, "DoesNotFit", message, stamp)
-        conditions = set_condition(conditions, "Ready", False, "DoesNotFit", "the job cannot fit its node", stamp)
+        d.event("Warning", "DoesNotFit", message)
+        d.condition("Failed", True, "DoesNotFit", message)
+        d.condition("Ready", False, "DoesNotFit", "the job cannot fit its node")
         status.pop("startTime", None)
-        return finish("Failed", completionTime=stamp, attempt=attempt + 1)
+        return d.finish("Failed", completionTime=d.stamp, attempt=attempt + 1)
+    if pod_phase == "Failed" and disrupted(pod):
+        why = disruption_reason(pod)
+        d.event("Warning", "PodDisrupted", f"pod {pod_name} was disrupted ({why}); a new pod resumes from the last checkpoint, "
+                                           "not counted against backoffLimit")  # fmt: skip
+        d.condition("Ready", False, "PodDisrupted", why[:900])
+        status.update(attempt=attempt + 1)
+        return d.finish("Pending", Plan(status, requeue_after=0.5))
+    final = learner_final_status(pod) if pod_phase == "Failed" else None
+    if final is not None and final.get("reason") == "OffPolicy":
+        message = f"the learner stopped training off-policy: {_on_policy_figures(view)}"
+        d.condition("Failed", True, "OffPolicy", message[:1000])
+        d.condition("Ready", False, "OffPolicy", "the learner stopped")
+        return d.finish("Failed", completionTime=d.stamp)
     if pod_phase == "Failed":
         failures += 1
-        reason = _failure_reason(pod)
-        if failures > spec.backoffLimit:
-            conditions = set_condition(conditions, "Failed", True, "BackoffLimitExceeded",
-                                       f"{failures} pod failures, backoffLimit {spec.backoffLimit}; last: {reason}", stamp)  # fmt: skip
-            return finish("Failed", failures=failures, completionTime=stamp)
+        reason = failure_reason(pod)
+        if failures > life.backoffLimit:
+            d.condition("Failed", True, "BackoffLimitExceeded", f"{failures} pod failures, backoffLimit {life.backoffLimit}; last: {reason}")
+            return d.finish("Failed", failures=failures, completionTime=d.stamp)
         delay = backoff_seconds(failures, base=settings.backoff_base_seconds)
-        retry_at = now + timedelta(seconds=delay)
-        events.append(("Warning", "PodFailed", f"pod {pod_name} failed ({reason}); new pod in {delay:.0f}s "
-                                               f"({failures}/{spec.backoffLimit} failures)"))  # fmt: skip
-        conditions = set_condition(conditions, "Ready", False, "PodFailed", reason, stamp)
+        retry_at = d.now + timedelta(seconds=delay)
+        d.event("Warning", "PodFailed", f"pod {pod_name} failed ({reason}); new pod in {delay:.0f}s "
+                                        f"({failures}/{life.backoffLimit} failures)")  # fmt: skip
+        d.condition("Ready", False, "PodFailed", reason)
         status.update(failures=failures, attempt=attempt + 1, nextAttemptAt=retry_at.strftime(TIME_FORMAT))
-        return finish("Pending", Plan(status, requeue_after=delay))
-    ready = pod_phase == "Running"
-    waiting = "" if ready else _pending_reason(pod)
-    conditions = set_condition(conditions, "Ready", ready, "PodRunning" if ready else ("PodWaiting" if waiting else "PodStarting"),
-                               waiting or f"pod {pod_name} is {pod_phase.lower()}", stamp)  # fmt: skip
-    return finish(pod_phase, Plan(status, requeue_after=settings.status_poll_seconds), attempt=attempt, failures=failures)
+        return d.finish("Pending", Plan(status, requeue_after=delay))
+    if pod_phase == "Running":
+        why = unready(pod)
+        d.condition("Ready", why is None, *(why or ("PodRunning", f"pod {pod_name} is running")))
+    else:
+        waiting = pending_reason(pod)
+        d.condition("Ready", False, "PodWaiting" if waiting else "PodStarting", waiting or f"pod {pod_name} is {pod_phase.lower()}")
+    return d.finish(pod_phase, Plan(status, requeue_after=settings.status_poll_seconds))
 
 
-def pod_rejected(status: dict, message: str, now: datetime) -> dict:
-    """The status after the API server refused the job's pod (403 by Pod Security admission, 422 for a
-    malformed toleration, a missing priority class, ...): Failed, with the server's reason."""
+def _on_policy_figures(view: JobView) -> str:
+    health = view.report.on_policy if view.report is not None else None
+    if health is None or health.bound is None:
+        return "algorithm.max_mismatch exceeded"
+    return (f"mean |dlogp| {health.lastMismatch if health.lastMismatch is not None else float('nan'):.4g} above the bound "
+            f"{health.bound:.4g} for {health.consecutiveSteps} consecutive steps (allowed {health.allowedSteps})")  # fmt: skip
+
+
+def _learner_progress(d: Decision, view: JobView) -> None:
+    """status.progress and the OnPolicy condition from the learner's /status; what does not parse is
+    ignored and reported once (a warning event), never a failed reconcile."""
+    if view.report_error:
+        if d.status.get("learnerStatusError") != view.report_error:
+            d.event("Warning", "LearnerStatusInvalid", view.report_error[:900])
+        d.status["learnerStatusError"] = view.report_error[:900]
+    elif view.report is not None:
+        d.status.pop("learnerStatusError", None)
+    if view.report is None:
+        return
+    d.status["progress"] = view.report.progress()
+    health = view.report.on_policy
+    if health is None or health.state is None:
+        return
+    verdict = {"ok": (True, "WithinBound"), "exceeded": (False, "MismatchAboveBound"), "calibrating": (None, "Calibrating"),
+               "off": (None, "NoBound")}.get(health.state, (None, "Unknown"))  # fmt: skip
+    if health.state == "off":
+        message = "algorithm.max_mismatch is off: nothing bounds the train-rollout mismatch"
+    elif health.state == "calibrating":
+        message = "algorithm.max_mismatch: auto, calibrating its bound from the first steps"
+    else:
+        message = _on_policy_figures(view)
+    old = (d.old.get("OnPolicy") or {}).get("status")
+    d.condition("OnPolicy", verdict[0], verdict[1], message)
+    new = next(c["status"] for c in d.conditions if c.get("type") == "OnPolicy")
+    if old is not None and old != new or (old is None and new == "False"):
+        d.event("Warning" if new == "False" else "Normal", "OnPolicy", f"OnPolicy {new}: {message}"[:900])
+
+
+def pod_rejected(status: dict, message: str, now: datetime, generation: int | None = None) -> dict:
+    """The status after the API server refused the job's pod for good (403 by Pod Security admission,
+    422 for a malformed toleration, a missing priority class, ...): Failed, with the server's reason."""
     stamp = now.strftime(TIME_FORMAT)
-    conditions = set_condition(list(status.get("conditions") or []), "Failed", True, "PodRejected", message[:1000], stamp)
+    conditions = set_condition(list(status.get("conditions") or []), "Failed", True, "PodRejected", message[:1000], stamp, generation)
     return {**status, "phase": "Failed", "conditions": conditions, "completionTime": stamp}
-
-
-def _active(pods: list[dict]) -> list[str]:
-    """Names of pods that have not finished (to delete on suspend, deadline, restart)."""
-    return [p["metadata"]["name"] for p in pods if (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
-            and not p["metadata"].get("deletionTimestamp")]  # fmt: skip
-
-
-def _failure_reason(pod: dict) -> str:
-    """The first terminated container's reason and exit code, e.g. 'learner: Error (exit 1)'."""
-    status = pod.get("status") or {}
-    for container in [*(status.get("containerStatuses") or []), *(status.get("initContainerStatuses") or [])]:
-        terminated = (container.get("state") or {}).get("terminated")
-        if terminated and terminated.get("exitCode", 0) != 0:
-            reason = f"{container.get('name')}: {terminated.get('reason', 'Error')} (exit {terminated.get('exitCode')})"
-            last_line = next((line for line in reversed((terminated.get("message") or "").splitlines()) if line.strip()), "")
-            # an error exit's message is the end of its log (FallbackToLogsOnError): its last line says why;
-            # after a signal (exit > 128) the log just stops, so it is not quoted
-            quote = last_line and not last_line.startswith("{") and terminated.get("exitCode", 0) < 128
-            return f"{reason}: {last_line.strip()[:300]}" if quote else reason
-    return status.get("reason") or status.get("message") or "pod failed"

@@ -38,7 +38,9 @@ class OperatorSettings:
     namespaces: tuple[str, ...] = ()  # watched namespaces; empty: cluster-wide
     max_gpus_per_node: int = 8
     run_as_user: int = RUNTIME_USER  # the runtime image's non-root user; the cache root must be writable by it
-    status_poll_seconds: float = 10.0  # how often each job is reconciled and its learner polled
+    status_poll_seconds: float = 10.0  # how often a running job is reconciled and its learner polled
+    resync_seconds: float = 300.0  # how often any other job is reconciled when nothing about it changes
+    reconcile_workers: int = 4  # reconciles run at once (of different jobs)
     learner_status_port: int = 9400
     allow_image_override: bool = False  # may a job set resources.<role>.image? (its learner gets the job's Secrets)
     backoff_base_seconds: float = 10.0  # first delay before a failed pod is replaced; doubles, at most 5 minutes
@@ -52,8 +54,10 @@ class OperatorSettings:
         root = PurePosixPath(self.cache_root)
         if not root.is_absolute() or ".." in root.parts or str(root) == "/":
             raise OrbitError(f"ORBIT_CACHE_ROOT must be an absolute directory other than /, got {self.cache_root!r}")
-        if self.status_poll_seconds <= 0 or self.backoff_base_seconds <= 0:
-            raise OrbitError("ORBIT_STATUS_POLL_SECONDS and ORBIT_BACKOFF_BASE_SECONDS must be > 0")
+        if min(self.status_poll_seconds, self.backoff_base_seconds, self.resync_seconds) <= 0:
+            raise OrbitError("ORBIT_STATUS_POLL_SECONDS, ORBIT_BACKOFF_BASE_SECONDS and ORBIT_RESYNC_SECONDS must be > 0")
+        if self.reconcile_workers < 1:
+            raise OrbitError(f"ORBIT_RECONCILE_WORKERS must be >= 1, got {self.reconcile_workers}")
         if self.max_gpus_per_node < 1:
             raise OrbitError(f"ORBIT_MAX_GPUS_PER_NODE must be >= 1, got {self.max_gpus_per_node}")
         if self.node_gpu is not None:
@@ -70,7 +74,8 @@ class OperatorSettings:
     def from_env(cls, env: dict[str, str] | None = None) -> OperatorSettings:
         """ORBIT_CACHE_ROOT, ORBIT_RUNTIME_IMAGE, ORBIT_NAMESPACES (comma-separated), ORBIT_MAX_GPUS_PER_NODE,
         ORBIT_RUN_AS_USER, ORBIT_STATUS_POLL_SECONDS, ORBIT_LEARNER_STATUS_PORT, ORBIT_BACKOFF_BASE_SECONDS,
-        ORBIT_ALLOW_IMAGE_OVERRIDE, ORBIT_NODE_GPU, ORBIT_NODE_GPU_MEMORY_GIB."""
+        ORBIT_ALLOW_IMAGE_OVERRIDE, ORBIT_NODE_GPU, ORBIT_NODE_GPU_MEMORY_GIB, ORBIT_RESYNC_SECONDS,
+        ORBIT_RECONCILE_WORKERS."""
         env = dict(os.environ if env is None else env)
 
         def number(name: str, default, kind=int):
@@ -89,6 +94,8 @@ class OperatorSettings:
             max_gpus_per_node=number("ORBIT_MAX_GPUS_PER_NODE", 8),
             run_as_user=number("ORBIT_RUN_AS_USER", RUNTIME_USER),
             status_poll_seconds=number("ORBIT_STATUS_POLL_SECONDS", 10.0, float),
+            resync_seconds=number("ORBIT_RESYNC_SECONDS", 300.0, float),
+            reconcile_workers=number("ORBIT_RECONCILE_WORKERS", 4),
             learner_status_port=number("ORBIT_LEARNER_STATUS_PORT", 9400),
             backoff_base_seconds=number("ORBIT_BACKOFF_BASE_SECONDS", 10.0, float),
             allow_image_override=env.get("ORBIT_ALLOW_IMAGE_OVERRIDE", "false").lower() in ("1", "true", "yes"),

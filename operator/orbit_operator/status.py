@@ -1,11 +1,14 @@
-"""The RLTrainingJob's status, as pure functions: progress from the learner's `/status`,
-conditions (one per type, lastTransitionTime kept while the status does not change), and
-the phase a pod's state means."""
+"""The RLTrainingJob's status, as pure functions: progress from the learner's `/status`, the
+finished containers' termination messages, conditions (one per type, lastTransitionTime kept
+while the status does not change) and the retry backoff. What a pod's state means is in
+pod_health.py."""
 
 from __future__ import annotations
 
 import json
 from datetime import UTC, datetime
+
+from orbit_operator.learner_report import parse_learner_report
 
 PHASES = ("Pending", "Preparing", "Running", "Succeeded", "Failed", "Suspended")
 TERMINAL = ("Succeeded", "Failed")
@@ -16,25 +19,9 @@ def now_iso() -> str:
 
 
 def progress_from_learner(learner: dict) -> dict:
-    """`status.progress` from the learner's /status JSON (orbit_runtime.trainer.recorder.status_document)."""
-    progress = {
-        "step": int(learner.get("step", 0)),
-        "maxSteps": int(learner.get("maxSteps", 0)),
-        "stepText": f"{int(learner.get('step', 0))}/{int(learner.get('maxSteps', 0))}",
-        "adapterVersion": int(learner.get("adapterVersion", 0)),
-        "learnerPhase": str(learner.get("phase", "")),
-    }
-    for key in ("reward", "heldoutAccuracy", "heldoutStderr"):
-        if isinstance(learner.get(key), int | float):
-            progress[key] = float(learner[key])
-    if isinstance(learner.get("heldoutPrompts"), int):
-        progress["heldoutPrompts"] = learner["heldoutPrompts"]
-    checkpoint = learner.get("lastCheckpoint")
-    if isinstance(checkpoint, dict):
-        progress["lastCheckpoint"] = {"uri": str(checkpoint.get("uri", "")), "step": int(checkpoint.get("step", 0))}
-    if isinstance(learner.get("restarts"), dict):
-        progress["roleRestarts"] = {str(k): int(v) for k, v in learner["restarts"].items()}
-    return progress
+    """`status.progress` from the learner's /status JSON (parsed leniently: orbit_operator.learner_report)."""
+    report, _ = parse_learner_report(learner)
+    return report.progress() if report is not None else {}
 
 
 def _termination_document(pod: dict | None, statuses: str, name: str) -> dict | None:
@@ -64,35 +51,24 @@ def prepare_base_report(pod: dict | None) -> dict | None:
     return _termination_document(pod, "initContainerStatuses", "prepare-base")
 
 
-def set_condition(conditions: list[dict], type_: str, status: bool, reason: str, message: str, at: str | None = None) -> list[dict]:
-    """CONDITIONS with TYPE set (one entry per type); lastTransitionTime changes only when the status flips."""
-    value = "True" if status else "False"
+def set_condition(conditions: list[dict], type_: str, status: bool | None, reason: str, message: str, at: str | None = None,
+                  generation: int | None = None) -> list[dict]:  # fmt: skip
+    """CONDITIONS with TYPE set (one entry per type; STATUS None: Unknown); lastTransitionTime changes
+    only when the status flips; GENERATION: the job generation the condition was decided at."""
+    value = "Unknown" if status is None else ("True" if status else "False")
     out, found = [], False
+    extra = {"observedGeneration": generation} if generation is not None else {}
     for condition in conditions:
         if condition.get("type") != type_:
             out.append(condition)
             continue
         found = True
         changed = condition.get("status") != value
-        out.append({"type": type_, "status": value, "reason": reason, "message": message,
+        out.append({"type": type_, "status": value, "reason": reason, "message": message, **extra,
                     "lastTransitionTime": (at or now_iso()) if changed else condition.get("lastTransitionTime", at or now_iso())})  # fmt: skip
     if not found:
-        out.append({"type": type_, "status": value, "reason": reason, "message": message, "lastTransitionTime": at or now_iso()})
+        out.append({"type": type_, "status": value, "reason": reason, "message": message, **extra, "lastTransitionTime": at or now_iso()})
     return out
-
-
-def phase_of_pod(pod: dict) -> str:
-    """The job phase a pod's state means: Preparing (init containers running), Running, Succeeded, Failed, Pending."""
-    status = pod.get("status") or {}
-    phase = status.get("phase", "Pending")
-    if phase in ("Succeeded", "Failed"):
-        return phase
-    if phase == "Running":
-        return "Running"
-    init_states = status.get("initContainerStatuses") or []
-    if any((s.get("state") or {}).get("running") for s in init_states if s.get("name") == "prepare-base"):
-        return "Preparing"
-    return "Pending"
 
 
 def backoff_seconds(failures: int, base: float = 10.0, cap: float = 300.0) -> float:

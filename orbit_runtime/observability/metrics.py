@@ -29,7 +29,8 @@ REGISTRIES = {"learner": LEARNER_REGISTRY, "reference": REFERENCE_REGISTRY, "ope
 
 # ---- operator ------------------------------------------------------------------------------
 OPERATOR_RECONCILES = Counter(
-    "orbit_operator_reconciles", "RLTrainingJob reconciles, by outcome (ok, invalid, error).", ["outcome"],
+    "orbit_operator_reconciles", "RLTrainingJob reconciles, by outcome (ok, invalid, retry: a transient API refusal, error).",
+    ["outcome"],
     registry=OPERATOR_REGISTRY,
 )
 OPERATOR_RECONCILE_DURATION = Histogram(
@@ -48,7 +49,13 @@ OPERATOR_DOES_NOT_FIT = Counter(
     "admission (the operator, before any pod) or prepare_base (the first pod, with the base's config.json).", ["stage"],
     registry=OPERATOR_REGISTRY,
 )
-for _outcome in ("ok", "invalid", "error"):
+OPERATOR_REQUEUED_JOBS = Gauge("orbit_operator_requeued_jobs", "Jobs with a reconcile scheduled (a poll, a backoff's end, a TTL, "
+                               "the resync).", registry=OPERATOR_REGISTRY)  # fmt: skip
+OPERATOR_API_RETRIES = Counter(
+    "orbit_operator_api_retries", "API calls refused transiently (429, quota 403, 5xx) and retried later, by call and status code.",
+    ["call", "code"], registry=OPERATOR_REGISTRY,
+)
+for _outcome in ("ok", "invalid", "retry", "error"):
     OPERATOR_RECONCILES.labels(_outcome)
 for _stage in ("admission", "prepare_base"):
     OPERATOR_DOES_NOT_FIT.labels(_stage)

@@ -97,7 +97,7 @@ def test_prepare_base_does_not_fit_ends_the_job_without_retries():
     refused = pod("quickstart-cpu-0", "Failed", initContainerStatuses=[
         {"name": "prepare-base", "state": {"terminated": {"exitCode": 3, "reason": "Error", "message": json.dumps(report)}}}])  # fmt: skip
     decided = plan(Observed(gpu_job("qwen3-8b", gpus=1, status=first.status), [refused], configmap(job), T0), SETTINGS)
-    assert decided.status["phase"] == "Failed" and decided.create_pod is None and "failures" not in decided.status
+    assert decided.status["phase"] == "Failed" and decided.create_pod is None and decided.status.get("failures", 0) == 0
     failed = condition(decided.status, "Failed")
     assert failed["reason"] == "DoesNotFit" and failed["message"] == report["message"]
     assert decided.status["plan"] == report["plan"] and ("Warning", "DoesNotFit", report["message"]) in decided.events

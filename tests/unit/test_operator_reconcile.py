@@ -6,7 +6,7 @@ from pathlib import Path
 
 import yaml
 
-from orbit_operator.pod import build_configmap
+from orbit_operator.pod import build_configmap, owner_reference
 from orbit_operator.reconcile import Observed, plan
 from orbit_operator.settings import OperatorSettings
 from orbit_operator.status import learner_final_status
@@ -27,12 +27,20 @@ def job(status=None, **spec):
     return out
 
 
-def pod(name, phase, **status):
-    return {"metadata": {"name": name, "labels": {"orbit.dev/job": "quickstart-cpu"}}, "status": {"phase": phase, **status}}
+OWNER = owner_reference("quickstart-cpu", "u-1")  # what the handlers put on every object of the job
 
 
-def configmap(of_job):
-    return build_configmap("quickstart-cpu", "default", validate_job(of_job).spec, SETTINGS)
+def pod(name, phase, owner=OWNER, **status):
+    """A pod of the job (its controller: the job of uid u-1), as the kubelet reports it."""
+    labels = {"orbit.dev/job": "quickstart-cpu", "orbit.dev/attempt": name.rsplit("-", 1)[1]}
+    return {"metadata": {"name": name, "labels": labels, "ownerReferences": [owner] if owner else []},
+            "status": {"phase": phase, **status}}  # fmt: skip
+
+
+def configmap(of_job, owner=OWNER):
+    made = build_configmap("quickstart-cpu", "default", validate_job(of_job).spec, SETTINGS)
+    made["metadata"]["ownerReferences"] = [owner] if owner else []
+    return made
 
 
 def test_a_new_job_gets_its_configmap_and_first_pod():
@@ -118,7 +126,8 @@ def test_restart_id_deadline_ttl_and_success():
     running = [pod("quickstart-cpu-0", "Running")]
     restarted = plan(Observed(job(status, restartId="again"), running, configmap(JOB), T0), SETTINGS)
     assert restarted.delete_pods == ["quickstart-cpu-0"] and restarted.status["attempt"] == 1
-    late = plan(Observed(job(status, activeDeadlineSeconds=60), running, configmap(JOB), T0 + timedelta(minutes=2)), SETTINGS)
+    scheduled = {**status, "activeSince": "2026-11-30T12:00:00Z"}  # its pod left the queue then
+    late = plan(Observed(job(scheduled, activeDeadlineSeconds=60), running, configmap(JOB), T0 + timedelta(minutes=2)), SETTINGS)
     assert late.status["phase"] == "Failed" and late.delete_pods == ["quickstart-cpu-0"]
     done = plan(Observed(job(status, ttlSecondsAfterFinished=30), [pod("quickstart-cpu-0", "Succeeded")], configmap(JOB), T0),
                 SETTINGS)  # fmt: skip

@@ -54,6 +54,8 @@ class EmulatorHandler(ReadPath, kmock.KubernetesEmulator):
     # every object request: (bearer token, verb, API group, resource, subresource or "", "namespaced" or
     # "cluster": whether the URL named a namespace), for RBAC checks
     calls: set[tuple[str, str, str, str, str, str]] = attrs.field(factory=set, init=False)
+    # requests per bearer token (every object request, for load measurements: benchmarks/operator_load.py)
+    request_counts: collections.Counter[str] = attrs.field(factory=collections.Counter, init=False)
     # injected API errors (KubeEmulator.inject_error): each answers its next `times` matching requests
     faults: list[Fault] = attrs.field(factory=list, init=False)
 
@@ -248,6 +250,7 @@ class EmulatorHandler(ReadPath, kmock.KubernetesEmulator):
         token = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
         scope = "namespaced" if request.namespace else "cluster"
         self.calls.add((token, verb, res.group or "", res.plural or "", request.subresource or "", scope))
+        self.request_counts[token] += 1
         return verb
 
     async def _create(self, request: kmock.Request, res: kmock.resource, namespace: str | None) -> dict[str, Any]:
@@ -342,8 +345,8 @@ class EmulatorHandler(ReadPath, kmock.KubernetesEmulator):
         meta["resourceVersion"] = self._next_rv()
         self._objects[key].history.append(new)
         await self._emit(res, "MODIFIED", new)
-        if meta.get("deletionTimestamp") and not meta.get("finalizers"):
-            await self._remove(res, key, new)
+        if meta.get("deletionTimestamp") and not meta.get("finalizers") and not meta.get("deletionGracePeriodSeconds"):
+            await self._remove(res, key, new)  # its last finalizer removed (a graceful deletion waits for its node)
         return new
 
     @classmethod

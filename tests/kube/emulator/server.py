@@ -134,6 +134,11 @@ class KubeEmulator:
         assert self.handler is not None
         return {call[1:] for call in list(self.handler.calls) if call[0] == token}
 
+    def request_count(self, token: str) -> int:
+        """How many object requests (each list, get, patch, watch, ...) were made with TOKEN so far."""
+        assert self.handler is not None
+        return self.handler.request_counts[token]
+
     def env(self, kubeconfig: str | os.PathLike[str] | None = None) -> dict[str, str]:
         """``os.environ`` plus what a subprocess needs to reach the emulator (KUBECONFIG, no proxy, a cache dir)."""
         kubeconfig = Path(kubeconfig) if kubeconfig is not None else self._require_kubeconfig()
