@@ -28,6 +28,7 @@ JOB = "quickstart-cpu"
 OPERATOR_TOKEN = "orbit-operator"  # the operator's kubeconfig token: its API calls are recorded apart from the tests'
 # (verb, group, resource, subresource, scope) of every operator run, by mode: "cluster-wide" or "namespaced"
 OPERATOR_API_CALLS: dict[str, set[tuple[str, str, str, str, str]]] = {"cluster-wide": set(), "namespaced": set()}
+RECORDED_TESTS: set[str] = set()  # names of the tests whose operator runs OPERATOR_API_CALLS holds
 JOB_PATH = KubeEmulator.path(RLJOBS, NS, JOB)
 
 
@@ -36,6 +37,7 @@ def operator_process(kube: KubeEmulator, log_path: Path, status_port: int, extra
     """`python -m orbit_operator` (the operator image's entrypoint), with short test intervals."""
     kubeconfig = kube.write_kubeconfig(log_path.parent / "operator-kubeconfig", token=OPERATOR_TOKEN, default=False)
     env = {**kube.env(kubeconfig), "PYTHONUNBUFFERED": "1", "ORBIT_STATUS_POLL_SECONDS": "0.5", "ORBIT_BACKOFF_BASE_SECONDS": "1",
+           "ORBIT_RESYNC_SECONDS": "2",
            "ORBIT_LEARNER_STATUS_PORT": str(status_port), "ORBIT_LIVENESS_PORT": str(free_port("127.0.0.1")),
            "ORBIT_METRICS_PORT": str(free_port("127.0.0.1")), "ORBIT_BIND_ADDRESS": "127.0.0.1",
            "ORBIT_CACHE_ROOT": "/var/lib/orbit-test/bases", **(extra_env or {})}  # fmt: skip
@@ -56,6 +58,12 @@ def operator_process(kube: KubeEmulator, log_path: Path, status_port: int, extra
                     proc.wait()
             mode = "namespaced" if env.get("ORBIT_NAMESPACES") else "cluster-wide"
             OPERATOR_API_CALLS[mode].update(kube.api_calls(OPERATOR_TOKEN))
+            RECORDED_TESTS.add(_current_test())
+
+
+def _current_test() -> str:
+    """The running test function's name (pytest sets PYTEST_CURRENT_TEST to "path::name[id] (phase)")."""
+    return os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0].split("::")[-1].split("[")[0]
 
 
 def reconciles(proc) -> float:
@@ -136,7 +144,7 @@ def test_job_lifecycle_pod_status_progress_backoff_suspend_success_and_delete(ku
             refused = wait(kube, lambda: [c for c in status(kube).get("conditions", []) if c["type"] == "SpecChangeRefused"],
                            "SpecChangeRefused")  # fmt: skip
             assert "rollout.max_tokens: 12 (running) -> 64 (spec)" in refused[0]["message"]
-            assert list(pods(kube)) == [f"{JOB}-0"] and status(kube)["observedGeneration"] == 2
+            assert list(pods(kube)) == [f"{JOB}-0"] and status(kube)["observedGeneration"] == 1  # generation 2 was refused
             kube.kubectl("patch", "rljob", JOB, "--type=merge", "-p", '{"spec":{"rollout":{"max_tokens":12}}}')
             wait(kube, lambda: not any(c["type"] == "SpecChangeRefused" for c in status(kube)["conditions"]), "the refusal cleared")
 
@@ -189,10 +197,10 @@ def test_an_operator_killed_mid_reconcile_creates_no_duplicate_pod(kube: KubeEmu
     status_port = free_port("127.0.0.1")
     log = tmp_path / "operator.log"
     kube.kubectl("apply", "--validate=false", "-f", "examples/rljob-cpu.yaml")
-    # the operator dies right after creating the pod, before the status records it (the worst moment)
+    # the operator dies right after creating the pod (recorded first), before it posts its events
     with operator_process(kube, log, status_port, extra_env={"ORBIT_FAULT_EXIT_AFTER_POD_CREATE": "1"}) as proc:
         assert proc.wait(30) == 70
-    assert list(pods(kube)) == [f"{JOB}-0"] and "podName" not in status(kube)
+    assert list(pods(kube)) == [f"{JOB}-0"] and status(kube)["podName"] == f"{JOB}-0"
     with operator_process(kube, log, status_port) as proc:
         wait(kube, lambda: status(kube).get("phase") == "Pending" and status(kube).get("podName") == f"{JOB}-0", "status after restart")
         wait_for_reconciles(kube, proc, 3)

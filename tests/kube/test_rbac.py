@@ -3,14 +3,21 @@ the end-to-end tests in tests/e2e when they run first) against the chart's rende
 each mode. The operator runs with its own token, so the emulator records its calls apart from
 kubectl's and the test node's, with their scope (a namespace in the URL or not).
 
-It needs those tests' recordings: run this file together with tests/kube/test_operator.py
-(`pytest tests/kube` does; alone it fails saying so)."""
+Whichever of the operator scenarios (tests/kube/test_operator.py, test_operator_controller.py)
+have not run in this session (this file alone, or run first) are run here, each against a fresh
+emulator: the check never depends on which other tests ran."""
 
 from __future__ import annotations
 
+import inspect
+import tempfile
+from pathlib import Path
+
 import pytest
 
-from tests.kube.test_operator import OPERATOR_API_CALLS
+from tests.kube import test_operator, test_operator_controller
+from tests.kube.emulator import ORBIT_CRD, KubeEmulator
+from tests.kube.test_operator import OPERATOR_API_CALLS, RECORDED_TESTS
 from tests.unit.test_chart import by_kind, render
 
 MODES = {"cluster-wide": None, "namespaced": {"watchNamespaces": ["default"]}}
@@ -29,10 +36,31 @@ def rules(objects: list[dict], kind: str) -> set[tuple[str, str, str, str]]:
     return out
 
 
+def operator_scenarios() -> dict[str, object]:
+    """The tests that run the operator: name -> function(kube, tmp_path)."""
+    return {name: fn for module in (test_operator, test_operator_controller) for name, fn in inspect.getmembers(module, inspect.isfunction)
+            if name.startswith("test_") and fn.__module__ == module.__name__
+            and list(inspect.signature(fn).parameters) == ["kube", "tmp_path"]}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def operator_calls() -> dict[str, set[tuple[str, str, str, str, str]]]:
+    """OPERATOR_API_CALLS once every operator scenario has run (here, for those that have not)."""
+    for name, scenario in sorted(operator_scenarios().items()):
+        if name in RECORDED_TESTS:
+            continue
+        with KubeEmulator() as kube, tempfile.TemporaryDirectory(prefix="orbit-rbac-") as tmp:
+            kube.load_crd(ORBIT_CRD)
+            kube.write_kubeconfig(Path(tmp) / "kubeconfig")
+            scenario(kube, Path(tmp))
+        RECORDED_TESTS.add(name)
+    return OPERATOR_API_CALLS
+
+
 @pytest.mark.parametrize("mode", sorted(MODES))
-def test_the_chart_grants_exactly_the_calls_the_operator_makes(mode):
-    used = OPERATOR_API_CALLS[mode]
-    assert used, f"no {mode} operator API calls recorded: run this file together with tests/kube/test_operator.py"
+def test_the_chart_grants_exactly_the_calls_the_operator_makes(mode, operator_calls):
+    used = operator_calls[mode]
+    assert used, f"no {mode} operator API calls recorded"
     objects = render(MODES[mode])
     cluster, namespaced = rules(objects, "ClusterRole"), rules(objects, "Role")
     # a ClusterRole allows a call in any namespace and cluster-wide; a Role only inside its namespace
