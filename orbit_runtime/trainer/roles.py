@@ -139,13 +139,21 @@ class SupervisedRole:
         self._after_restart()
 
     def supervised(self, fn: Callable[[], T]) -> T:
-        """Run FN, restarting (or waiting for) a dead server and retrying."""
+        """Run FN, restarting (or waiting for) a dead server and retrying. A request the server closed
+        without an answer (httpx.RemoteProtocolError: typically a keep-alive connection the server
+        dropped just as the request went out) is sent again once before the server is suspected."""
+        resent = False
         while True:
             try:
                 return fn()
             except (httpx.HTTPError, RuntimeError) as exc:
                 if isinstance(exc, RoleDied):
                     raise
+                if isinstance(exc, httpx.RemoteProtocolError) and not resent:
+                    resent = True
+                    log.warning("%s closed a request without an answer (%s); sending it again", self.role, exc)
+                    metrics.ROLE_REQUESTS_RESENT.labels(self.role).inc()
+                    continue
                 if self.url is not None:
                     if self.healthy() and not self.lost_state():  # it answers, as we left it: a real error
                         raise
