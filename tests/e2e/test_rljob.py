@@ -5,8 +5,8 @@ server, and a test node (tests/e2e/node.py) that runs the operator's pod as sand
 IP; checkpoints go to S3. Mocked because nothing else can run here: the cluster (API server and
 kubelet are emulated; images, scheduling and resource limits are not).
 
-The tests share one node, operator and S3 bucket and run in file order: the second job reuses
-the base the first one prepared.
+The tests share one node, operator and S3 bucket. The second job finds its base in the node's
+cache: the first job's, or (run alone) one prepared for it as a pod's prepare-base does.
 """
 
 from __future__ import annotations
@@ -282,11 +282,21 @@ def _assert_fresh_vllm_serves_the_exported_adapter(cluster: Cluster, manifest: d
     assert result.canary_mean_abs_dlogp < 5e-3  # fp16 vs fp32: far inside the tolerance, not at it
 
 
+def _ensure_base_in_cache(cluster: Cluster, spec: RLTrainingJobSpec) -> Path:
+    """The job's base in the node's cache: job A's if it ran first, else prepared here by the same
+    `orbit prepare-base` command a pod's init container runs (tests/e2e/node.py's mounts aside)."""
+    cache = cluster.cache_root / base_cache_dir(spec, NS)
+    if not (cache / "model" / "config.json").is_file():
+        subprocess.run([sys.executable, "-m", "orbit_runtime.cli", "prepare-base", "--cache", str(cache), "--format", spec.base.format,
+                        "--group-size", str(spec.base.groupSize), "--source", spec.base.uri],
+                       env={**os.environ, **cluster.s3_env}, check=True, capture_output=True)  # fmt: skip
+    return cache / "model"
+
+
 def test_second_job_reuses_the_base_is_scraped_by_prometheus_suspends_and_resumes(cluster: Cluster, tmp_path):
-    """Runs after the first job, on the same node: its base is already in the cache."""
+    """A second job on the same node: its base is already in the cache (see _ensure_base_in_cache)."""
     spec = RLTrainingJobSpec.model_validate(job_spec(cluster.bucket, "job-b", 400))
-    model = cluster.cache_root / base_cache_dir(spec, NS) / "model"
-    assert (model / "config.json").is_file(), "the first job's base should be in the node's cache"
+    model = _ensure_base_in_cache(cluster, spec)
     files_before = {f.name: (f.stat().st_ino, f.stat().st_mtime_ns) for f in model.iterdir()}
     prepared_before = len(_cache_history(cluster, {"spec": job_spec(cluster.bucket, "job-b", 400)}))
     manifest = cluster.apply("job-b", 400)  # more steps than this test lets it run: it is suspended, resumed, deleted

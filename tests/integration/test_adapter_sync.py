@@ -10,7 +10,8 @@ import torch
 
 from orbit_runtime.config import AdapterSpec
 from orbit_runtime.learner.model import load_policy
-from orbit_runtime.rollout.server import VLLMServerConfig
+from orbit_runtime.rollout.client import RolloutClient
+from orbit_runtime.rollout.server import VLLMServer, VLLMServerConfig
 from orbit_runtime.sync.adapter_sync import AdapterSync, SyncError, calibrated_tolerance, canary_expectations, publish_adapter
 from orbit_runtime.trainer.roles import DecodeCanary, RolloutRole
 
@@ -27,16 +28,31 @@ def _nudge(policy, seed, scale=0.05):
                 param.add_(torch.randn(param.shape, generator=torch.Generator().manual_seed(seed)) * scale)
 
 
-def test_a_stale_adapter_inside_the_tolerance_is_told_from_a_fresh_one(rollout_client, int4_dir, tmp_path):
+@pytest.fixture(params=["fp16", "bf16"])
+def canary_engines(request, rollout_client, int4_dir, tmp_path):
+    """(dtype, client, floor bound): the session's fp16 vLLM, or a bf16 one of its own (the dtype the
+    old fixed 0.1 tolerance could not discriminate in); the learner computes in the same dtype."""
+    if request.param == "fp16":
+        yield "fp16", rollout_client, 5e-3
+        return
+    config = VLLMServerConfig(int4_dir, dtype="bfloat16", max_lora_rank=RANK, log_path=tmp_path / "vllm-bf16.log")
+    with VLLMServer(config) as server:
+        client = RolloutClient(server.base_url)
+        yield "bf16", client, 2e-2  # bf16's 8-bit mantissa: a larger floor, still far under its 0.1 ceiling
+        client.close()
+
+
+def test_a_stale_adapter_inside_the_tolerance_is_told_from_a_fresh_one(canary_engines, int4_dir, tmp_path):
     """One small step (the canary moves by a few hundredths, within the old fixed bf16 tolerance
     of 0.1): version N-1's weights served under N's name fail loudly, the fresh N passes, and
     versions closer than the noise are reported inconclusive."""
     from orbit_runtime.observability import metrics
 
-    policy = load_policy(int4_dir, AdapterSpec(rank=RANK, alpha=16), dtype="fp16")
+    dtype, rollout_client, floor_bound = canary_engines
+    policy = load_policy(int4_dir, AdapterSpec(rank=RANK, alpha=16), dtype=dtype)
     sync = AdapterSync(rollout_client, CANARY, tolerance=0.1, retries=1)
     floor = sync.measure_noise_floor(canary_expectations(policy, CANARY, base=True))
-    assert 0 <= floor < 5e-3  # fp16: learner and vLLM compute the same base
+    assert 0 <= floor < floor_bound  # learner and vLLM compute the same base
     root = tmp_path / "adapters"
     _nudge(policy, 21)
     v20 = canary_expectations(policy, CANARY)
@@ -60,6 +76,22 @@ def test_a_stale_adapter_inside_the_tolerance_is_told_from_a_fresh_one(rollout_c
     late = sync.sync(22, publish_adapter(policy, root, 22)[0], v22, previous=v21)
     assert late.canary_verdict == "inconclusive" and late.canary_separation < 3 * floor + 1e-6
     assert metrics.SYNC_CANARY_INCONCLUSIVE._value.get() == inconclusive_before + 1
+
+
+def test_a_rollout_serving_another_base_fails_at_start_naming_the_fields(vllm_server, int4_dir):
+    """The noise floor above the dtype's ceiling (NOISE_FLOOR_CEILING): vLLM's base is not the
+    learner's, so no tolerance would mean anything; the run stops before any adapter is served."""
+    policy = load_policy(int4_dir, AdapterSpec(rank=RANK, alpha=16), dtype="fp16")
+    with torch.no_grad():  # the learner's base is now another model than the one vLLM serves
+        policy.model.get_output_embeddings().weight.mul_(8.0)
+    role = RolloutRole(VLLMServerConfig(int4_dir), CANARY, tolerance=None, retries=1, max_restarts=1, url=vllm_server.base_url)
+    role.start()
+    try:
+        with pytest.raises(SyncError, match=r"differs from the learner's by \d+\.\d+ .* at most 0\.02 .* fp16.*model\.path"):
+            role.calibrate(policy, "fp16")
+        assert role.served_name is None
+    finally:
+        role.stop()
 
 
 def test_publish_sync_and_stale_detection(rollout_client, int4_dir, tmp_path):
@@ -126,7 +158,6 @@ def test_vllm_killed_while_a_sync_is_in_flight_recovers_both_versions(int4_dir, 
 def test_an_external_rollout_restarted_between_requests_is_noticed_and_resynced(vllm_server, int4_dir, tmp_path):
     """The pod's rollout container restarted by the kubelet between two requests: it answers, but
     without our adapter. The learner's role sees the served adapter gone, re-syncs it, retries."""
-    from orbit_runtime.rollout.client import RolloutClient
 
     policy = load_policy(int4_dir, AdapterSpec(rank=RANK, alpha=16), dtype="fp16")
     _nudge(policy, 7)
