@@ -21,10 +21,6 @@ class ApiErrorKind:
     retry_after: float  # seconds (transient only): the server's Retry-After, else the caller's default
     summary: str  # "429 TooManyRequests: ..." for events and conditions
 
-    @property
-    def permanent(self) -> bool:
-        return not self.transient
-
 
 def classify(exc: ApiException, default_delay: float = 10.0, body_limit: int = 600) -> ApiErrorKind:
     """Is EXC transient (retry after `retry_after`: the server's Retry-After, else DEFAULT_DELAY) or

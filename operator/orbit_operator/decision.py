@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from orbit_operator.observe import JobView
-from orbit_operator.status import set_condition
+from orbit_operator.status import TERMINAL, set_condition
 
 TIME_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
 
@@ -65,11 +65,16 @@ class Decision:
         self.events.append((type_, reason, message))
 
     def finish(self, phase: str, result: Plan | None = None, **extra) -> Plan:
+        """The plan, with the status's phase and conditions; a terminal one is also due at its TTL."""
         self.status.update(phase=phase, conditions=self.conditions, **extra)
         if self.applied:
             self.status["observedGeneration"] = self.view.generation
         result = result or Plan(self.status)
         result.status = self.status
+        if phase in TERMINAL:
+            ttl = ttl_plan(self.status, self.view.lifecycle.ttlSecondsAfterFinished, self.now)
+            result.delete_job = result.delete_job or ttl.delete_job
+            result.requeue_after = ttl.requeue_after if result.requeue_after is None else result.requeue_after
         if phase != self.recorded_phase:
             self.event("Warning" if phase == "Failed" else "Normal", phase, f"{self.recorded_phase or 'New'} -> {phase}")
         result.events = self.events + result.events

@@ -5,8 +5,7 @@ Reconciles are driven by events: a job's create, update or the operator's start 
 any change to a pod labelled with a job (a pod watch). Each runs in the requeue scheduler's
 workers (requeue.py), never two at once for one job; after it, the job is due again when its
 plan says (`requeue_after`: a running learner's next `/status` poll, the end of a backoff, a
-TTL), else after a slow resync (`resync_seconds`). A terminal job without a TTL costs nothing
-until something changes.
+TTL), else at the slow resync (`resync_seconds`, a safety net).
 
 A transient API refusal (api_errors.classify: 429, a quota 403, 5xx) is retried after a delay
 with a warning event; any other error is logged and retried after the backoff base; no input
@@ -35,7 +34,7 @@ from orbit_operator.pod_health import terminating
 from orbit_operator.reconcile import Plan, plan, pod_rejected
 from orbit_operator.requeue import RequeueScheduler
 from orbit_operator.settings import OperatorSettings
-from orbit_operator.status import learner_final_status
+from orbit_operator.status import backoff_seconds, learner_final_status
 from orbit_runtime.observability import metrics
 
 log = logging.getLogger("orbit_operator")
@@ -43,6 +42,7 @@ FAULT_EXIT_AFTER_POD_CREATE = "ORBIT_FAULT_EXIT_AFTER_POD_CREATE"  # tests only:
 SETTINGS = OperatorSettings.from_env()
 _kube: Kube | None = None
 _phases: dict[str, str] = {}  # namespace/name -> phase, for orbit_operator_jobs
+_refusals: dict[str, tuple[int, str]] = {}  # namespace/name -> (transient pod refusals in a row, the last one)
 
 
 def kube() -> Kube:
@@ -56,8 +56,9 @@ def kube() -> Kube:
 
 
 def _count_phases() -> None:
+    phases = list(_phases.values())  # a snapshot: worker threads and kopf's change the dict
     for phase in ("Pending", "Preparing", "Running", "Succeeded", "Failed", "Suspended"):
-        metrics.OPERATOR_JOBS.labels(phase).set(sum(1 for p in _phases.values() if p == phase))
+        metrics.OPERATOR_JOBS.labels(phase).set(sum(1 for p in phases if p == phase))
 
 
 def learner_status(pod: dict | None) -> object:
@@ -72,7 +73,7 @@ def learner_status(pod: dict | None) -> object:
         return None
     try:
         host = f"[{ip}]" if ":" in ip else ip  # an IPv6 pod IP
-        response = httpx.get(f"http://{host}:{SETTINGS.learner_status_port}/status", timeout=2.0)
+        response = httpx.get(f"http://{host}:{SETTINGS.learner_status_port}/status", timeout=httpx.Timeout(2.0, connect=0.5))
         response.raise_for_status()
         return response.json()
     except (httpx.HTTPError, ValueError) as exc:
@@ -90,9 +91,10 @@ class _Retry(Exception):
 
 
 def reconcile(namespace: str, name: str) -> None:
-    """Observe, plan, record, act; then schedule the job's next reconcile. The status is written
-    before anything is deleted or created, so an operator that dies in between finds the decision
-    (a bumped attempt) and never matches a pod it was deleting."""
+    """Observe, plan, act and record; then schedule the job's next reconcile. The status is written
+    before a pod is deleted, so an operator that dies in between finds the decision (a bumped
+    attempt) and never takes the pod it was deleting for the next one; a pod is created before its
+    status is recorded (its name is deterministic: a death in between finds it, ours by UID)."""
     key = f"{namespace}/{name}"
     started, outcome, delay = time.monotonic(), "error", SETTINGS.backoff_base_seconds
     try:
@@ -115,11 +117,11 @@ def reconcile(namespace: str, name: str) -> None:
     except Exception:  # noqa: BLE001 - an API or network failure: logged, tried again after the backoff base
         log.exception("reconcile of %s failed; again in %.0fs", key, delay)
     finally:
+        if delay is not None and SCHEDULER is not None:  # first: nothing below may lose the job's next reconcile
+            SCHEDULER.schedule(namespace, name, delay)
         metrics.OPERATOR_RECONCILES.labels(outcome).inc()
         metrics.OPERATOR_RECONCILE_DURATION.observe(time.monotonic() - started)
         _count_phases()
-        if delay is not None and SCHEDULER is not None:
-            SCHEDULER.schedule(namespace, name, delay)
 
 
 def _reconcile(job: dict) -> Plan:
@@ -138,22 +140,24 @@ def _reconcile(job: dict) -> Plan:
         decided.create_configmap["metadata"]["ownerReferences"] = [owner]
         api.apply_configmap(decided.create_configmap)
     old = {k: v for k, v in (job.get("status") or {}).items() if not k.startswith("kopf")}
-    written = _record(api, namespace, name, old, decided.status)  # record first ...
-    for pod_name in decided.delete_pods:  # ... then act
-        api.delete_pod(namespace, pod_name)
-    if decided.create_pod is not None:
-        decided.create_pod["metadata"]["ownerReferences"] = [owner]
+    if decided.delete_pods:  # record first (the bumped attempt), then delete: a death in between never
+        _record(api, namespace, name, old, decided.status)  # takes the pod being deleted for the next one
+        old = {k: v for k, v in decided.status.items() if not k.startswith("kopf")}
+        for pod_name in decided.delete_pods:
+            api.delete_pod(namespace, pod_name)
+    if decided.create_pod is not None:  # create, then record: the name is deterministic, so a death in between
+        decided.create_pod["metadata"]["ownerReferences"] = [owner]  # finds the pod (ours, by UID) next time
         created = _create_pod(api, job, decided)
+        if created and os.environ.get(FAULT_EXIT_AFTER_POD_CREATE):
+            os._exit(70)  # fault injection for tests: the pod exists, the status does not say so yet
         if created is None:  # refused for good: the status says why
             decided.status = pod_rejected(decided.status, decided.rejection, now, meta.get("generation"))
             events = [("Warning", "PodRejected", decided.rejection[:1000])]
-            _record(api, namespace, name, written, decided.status)
-        elif created and os.environ.get(FAULT_EXIT_AFTER_POD_CREATE):
-            os._exit(70)  # fault injection for tests: the pod exists, the events are not posted
-        if created:
+        elif created:
             metrics.OPERATOR_POD_CREATIONS.inc()
-        else:  # an earlier reconcile made it, or it was refused
+        if not created:  # an earlier reconcile made it, or it was refused
             events = [e for e in events if e[1] != "PodCreated"]
+    _record(api, namespace, name, old, decided.status)
     for type_, reason, message in events:
         api.post_event(job, type_, reason, message)
         if reason == "DoesNotFit":  # posted once per verdict: at admission (no pod yet) or from the pod's prepare-base
@@ -173,22 +177,30 @@ def _create_pod(api: Kube, job: dict, decided: Plan) -> bool | None:
     """Create the plan's pod: True, False if it exists (an earlier reconcile made it), None if the API
     server refused it for good (decided.rejection says why). A transient refusal (a 429, a quota 403,
     a 5xx) raises _Retry, after a warning event and a metric."""
-    pod = decided.create_pod
+    pod, key = decided.create_pod, f"{job['metadata']['namespace']}/{job['metadata']['name']}"
     try:
-        return api.create_pod(pod)
+        created = api.create_pod(pod)
     except ApiException as exc:
         kind = classify(exc, default_delay=SETTINGS.backoff_base_seconds)
         message = f"the API server refused pod {pod['metadata']['name']}: {kind.summary}"
-        if kind.transient:
-            metrics.OPERATOR_API_RETRIES.labels("create_pod", str(exc.status or 0)).inc()
-            api.post_event(job, "Warning", "PodCreateRetrying", f"{message}; retrying in {kind.retry_after:.0f}s"[:1000])
-            raise _Retry(kind.retry_after) from exc
-        decided.rejection = message
-        return None
+        if not kind.transient:
+            _refusals.pop(key, None)
+            decided.rejection = message
+            return None
+        tries, last = _refusals.get(key, (0, ""))
+        delay = max(kind.retry_after, backoff_seconds(tries + 1, base=SETTINGS.backoff_base_seconds))
+        metrics.OPERATOR_API_RETRIES.labels("create_pod", str(exc.status or 0)).inc()
+        if kind.summary != last:  # one event per kind of refusal, not one per retry
+            api.post_event(job, "Warning", "PodCreateRetrying", f"{message}; retrying with backoff (next in {delay:.0f}s)"[:1000])
+        _refusals[key] = (tries + 1, kind.summary)
+        raise _Retry(delay) from exc
+    _refusals.pop(key, None)
+    return created
 
 
 def _forget(namespace: str, name: str) -> None:
     _phases.pop(f"{namespace}/{name}", None)
+    _refusals.pop(f"{namespace}/{name}", None)
     if SCHEDULER is not None:
         SCHEDULER.forget(namespace, name)
 
@@ -196,10 +208,21 @@ def _forget(namespace: str, name: str) -> None:
 SCHEDULER: RequeueScheduler | None = None
 
 
+class _QuietEventHandlers(logging.Filter):
+    """Drop kopf's "Handler 'on_pod_event' succeeded." lines (one per watch event); keep its failures."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (record.levelno <= logging.INFO and message.startswith(("Handler 'on_pod_event'", "Handler 'on_job_event'")))
+
+
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, **_) -> None:
     global SCHEDULER
-    settings.posting.level = logging.INFO
+    # kopf posts its own log lines as Events at this level: only its warnings and errors (the operator posts
+    # the job's events itself); and a line per pod event would drown the log
+    settings.posting.level = logging.WARNING
+    logging.getLogger("kopf.objects").addFilter(_QuietEventHandlers())
     # no handler needs a finalizer, so kopf adds none; it keeps this name so that it removes the finalizer
     # earlier Orbit versions put on jobs (their deletion then never waits for the operator)
     settings.persistence.finalizer = f"{GROUP}/cleanup"
@@ -207,6 +230,7 @@ def configure(settings: kopf.OperatorSettings, **_) -> None:
     # watching listed namespaces: no cluster-wide scanning of namespaces and CRDs, so the operator needs
     # only a Role in each of them (the CRD must exist when it starts; it is found once, through discovery)
     settings.scanning.disabled = bool(SETTINGS.namespaces)
+    settings.watching.label_selectors["pods"] = LABEL_JOB  # the API server sends only the jobs' pods
     SCHEDULER = RequeueScheduler(reconcile, workers=SETTINGS.reconcile_workers)
     SCHEDULER.start()
 

@@ -1,7 +1,7 @@
 """The learner's `/status` document (orbit_runtime.trainer.recorder.status_document) as the
 operator reads it: untrusted input from a pod, so it is parsed by a pydantic model, never
-trusted with `int()`. A document that does not parse is ignored (the job keeps its last
-progress) and reported once; a field that does not parse is dropped on its own.
+trusted with `int()`. A field that does not parse is dropped on its own (the job keeps its
+last value), a document that is not a JSON object is ignored whole; either is reported once.
 """
 
 from __future__ import annotations
@@ -37,29 +37,29 @@ class Signal(_Lenient):
 class LearnerReport(_Lenient):
     phase: str | None = None  # starting, running, succeeded, stopped, failed
     reason: str | None = None  # why a failed run stopped, e.g. OffPolicy
-    step: int = Field(0, ge=0)
-    maxSteps: int = Field(0, ge=0)
+    step: int | None = Field(None, ge=0)
+    maxSteps: int | None = Field(None, ge=0)
     reward: float | None = None
     heldoutAccuracy: float | None = None
     heldoutStderr: float | None = None
     heldoutPrompts: int | None = None
-    adapterVersion: int = Field(0, ge=0)
+    adapterVersion: int | None = Field(None, ge=0)
     lastCheckpoint: Checkpoint | None = None
     restarts: dict[str, int] | None = None
     signal: Signal | None = None
 
-    def progress(self) -> dict:
-        """`status.progress`: what `kubectl get rljob` and dashboards show."""
-        progress: dict[str, Any] = {
-            "step": self.step or 0,
-            "maxSteps": self.maxSteps or 0,
-            "stepText": f"{self.step or 0}/{self.maxSteps or 0}",
-            "adapterVersion": self.adapterVersion or 0,
-            "learnerPhase": self.phase or "",
-        }
-        for key in ("reward", "heldoutAccuracy", "heldoutStderr", "heldoutPrompts"):
-            if getattr(self, key) is not None:
-                progress[key] = getattr(self, key)
+    def progress(self, previous: dict | None = None) -> dict:
+        """`status.progress` (what `kubectl get rljob` and dashboards show): the fields reported, over
+        PREVIOUS's for those that were not (a field that did not parse never sets progress back)."""
+        progress: dict[str, Any] = dict(previous or {})
+        for key, value in (("step", self.step), ("maxSteps", self.maxSteps), ("adapterVersion", self.adapterVersion),
+                           ("learnerPhase", self.phase), ("reward", self.reward), ("heldoutAccuracy", self.heldoutAccuracy),
+                           ("heldoutStderr", self.heldoutStderr), ("heldoutPrompts", self.heldoutPrompts)):  # fmt: skip
+            if value is not None:
+                progress[key] = value
+        progress.setdefault("step", 0)
+        progress.setdefault("maxSteps", 0)
+        progress["stepText"] = f"{progress['step']}/{progress['maxSteps']}"
         if self.lastCheckpoint is not None:
             progress["lastCheckpoint"] = {"uri": self.lastCheckpoint.uri or "", "step": self.lastCheckpoint.step or 0}
         if self.restarts is not None:
@@ -73,7 +73,7 @@ class LearnerReport(_Lenient):
 
 def parse_learner_report(document: Any) -> tuple[LearnerReport | None, str | None]:
     """(the report, None), or (what parsed, why the rest was ignored): the top-level fields that do
-    not validate are dropped one by one; a document that is not a JSON object is ignored whole."""
+    not validate are dropped (named in the reason); a document that is not a JSON object is ignored whole."""
     if document is None:
         return None, None
     if not isinstance(document, dict):
@@ -84,8 +84,9 @@ def parse_learner_report(document: Any) -> tuple[LearnerReport | None, str | Non
             report = LearnerReport.model_validate(document)
         except ValidationError as exc:
             bad = {str(error["loc"][0]) for error in exc.errors() if error["loc"]}
-            dropped += [f"{key}={str(document[key])[:40]!r}" for key in sorted(bad) if key in document]
+            dropped += sorted(key for key in bad if key in document)
             document = {k: v for k, v in document.items() if k not in bad}
             continue
+        # the field names only: the same fields failing with other values are reported once
         return report, (f"ignored fields of the learner's /status that do not parse: {', '.join(dropped)}" if dropped else None)
     return None, "the learner's /status does not parse"

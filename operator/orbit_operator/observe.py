@@ -51,16 +51,19 @@ _LIFECYCLE_ADAPTERS = {name: _adapter(name) for name in LIFECYCLE_FIELDS}
 
 def lifecycle_of(raw_spec: Any, fallback: RLTrainingJobSpec | None) -> Lifecycle:
     """The lifecycle fields as written, each validated on its own: a typo elsewhere in the spec
-    never stops suspend, retries, the deadline or the TTL. A field that does not validate keeps
-    the applied spec's value (or the default); the Invalid condition names it."""
+    never stops suspend, retries, the deadline or the TTL. A field left out takes its default (a
+    removed deadline is gone); one that does not validate keeps the applied spec's value (or the
+    default); the Invalid condition names it."""
     values = {}
     for name in LIFECYCLE_FIELDS:
-        default = getattr(fallback, name) if fallback is not None else RLTrainingJobSpec.model_fields[name].get_default()
-        raw = raw_spec.get(name, default) if isinstance(raw_spec, dict) else default
+        default = RLTrainingJobSpec.model_fields[name].get_default()
+        if not isinstance(raw_spec, dict) or name not in raw_spec:
+            values[name] = getattr(fallback, name) if fallback is not None and not isinstance(raw_spec, dict) else default
+            continue
         try:
-            values[name] = _LIFECYCLE_ADAPTERS[name].validate_python(raw)
+            values[name] = _LIFECYCLE_ADAPTERS[name].validate_python(raw_spec[name])
         except ValidationError:
-            values[name] = default
+            values[name] = getattr(fallback, name) if fallback is not None else default
     return Lifecycle(**values)
 
 

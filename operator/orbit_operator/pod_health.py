@@ -7,7 +7,7 @@ from __future__ import annotations
 from orbit_operator.pod import LABEL_ATTEMPT
 
 # the reasons Kubernetes gives a pod whose node stopped answering (node lifecycle controller, taint eviction)
-NODE_LOST_REASONS = ("NodeLost", "NodeNotReady", "NodeUnreachable", "TerminationByKubelet")
+NODE_LOST_REASONS = ("NodeLost", "NodeNotReady", "NodeUnreachable", "DeletionByTaintManager")
 
 
 def _statuses(pod: dict) -> list[dict]:
@@ -33,10 +33,6 @@ def attempt_of(pod: dict) -> int | None:
 
 def terminating(pod: dict) -> bool:
     return bool((pod.get("metadata") or {}).get("deletionTimestamp"))
-
-
-def finished(pod: dict) -> bool:
-    return (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed")
 
 
 def phase_of_pod(pod: dict) -> str:
@@ -70,7 +66,8 @@ def unready(pod: dict) -> tuple[str, str] | None:
     name = (pod.get("metadata") or {}).get("name", "")
     ready = _condition(pod, "Ready") or {}
     if terminating(pod):
-        if status.get("reason") in NODE_LOST_REASONS or ready.get("reason") in NODE_LOST_REASONS:
+        evicted = (_condition(pod, "DisruptionTarget") or {}).get("reason")  # DeletionByTaintManager: the node is unreachable
+        if status.get("reason") in NODE_LOST_REASONS or ready.get("reason") in NODE_LOST_REASONS or evicted in NODE_LOST_REASONS:
             return (
                 "NodeUnreachable",
                 f"pod {name} is terminating: its node does not answer ({status.get('reason') or ready.get('reason')})",

@@ -54,7 +54,7 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
-from orbit_operator.decision import TIME_FORMAT, Decision, Plan, parse_time, ttl_plan
+from orbit_operator.decision import TIME_FORMAT, Decision, Plan, parse_time
 from orbit_operator.fit import admission_fit
 from orbit_operator.job_spec import RLTrainingJobSpec
 from orbit_operator.observe import JobView, Observed, observe
@@ -75,20 +75,18 @@ from orbit_operator.status import TERMINAL, backoff_seconds, learner_final_statu
 from orbit_operator.validation import validate_job
 from orbit_runtime.errors import OrbitError
 
-__all__ = ["Observed", "Plan", "plan", "pod_rejected", "refused_changes"]
-WAIT_SECONDS = 2.0  # look again this soon while something we wait for (a terminating pod) goes away
+__all__ = ["Observed", "Plan", "plan", "pod_rejected"]
+WAIT_SECONDS = 2.0  # look again this soon while a ConfigMap we wait for (not watched) goes away
 
 
 def _may_start_again(d: Decision) -> bool:
-    """A Failed job that never ran because its spec was invalid (checked again each time) or it did not
-    fit its node (planned again once its spec changed) may start; nothing else leaves a terminal phase."""
+    """A Failed job that never ran because its spec was invalid or it did not fit its node may start once
+    its spec was edited since (a new generation); nothing else leaves a terminal phase."""
     if d.status.get("phase") != "Failed" or d.status.get("startTime"):
         return False
-    failed = d.old.get("Failed") or {}
-    if failed.get("reason") == "InvalidSpec" or (not failed and d.is_true("Invalid")):
-        return True
-    edited = d.view.status.get("observedGeneration") != d.view.generation
-    return failed.get("reason") == "DoesNotFit" and edited
+    failed = d.old.get("Failed") or d.old.get("Invalid") or {}  # (a job failed as invalid by an earlier version: Invalid only)
+    decided_at = failed.get("observedGeneration", d.view.status.get("observedGeneration"))
+    return failed.get("reason") in ("InvalidSpec", "DoesNotFit") and decided_at != d.view.generation
 
 
 def plan(observed: Observed, settings: OperatorSettings) -> Plan:  # noqa: C901 - one decision table, read top to bottom
@@ -101,7 +99,8 @@ def plan(observed: Observed, settings: OperatorSettings) -> Plan:  # noqa: C901 
         if life.restartId != status.get("restartId", "") and status.get("ignoredRestartId") != life.restartId:
             d.event("Warning", "RestartIgnored", f"the job is {phase}: restartId {life.restartId!r} is ignored (create a new job)")
             status["ignoredRestartId"] = life.restartId
-        return d.finish(phase, ttl_plan(status, life.ttlSecondsAfterFinished, now))
+        d.applied = status.get("observedGeneration") == view.generation  # an edit of a finished job is not applied
+        return d.finish(phase)
 
     # the spec: always checked, needed only to build a pod from it
     check = validate_job(observed.job, f"RLTrainingJob {view.namespace}/{view.name}", settings.max_gpus_per_node,
@@ -115,9 +114,10 @@ def plan(observed: Observed, settings: OperatorSettings) -> Plan:  # noqa: C901 
         d.applied = False
     else:
         d.drop("Invalid")
-    if phase in TERMINAL:  # it never ran: Invalid or DoesNotFit, and may start now
-        if spec is None:
-            return d.finish(phase, ttl_plan(status, life.ttlSecondsAfterFinished, now))
+    if phase in TERMINAL:  # it never ran (Invalid or DoesNotFit), was edited since, and may start now
+        if spec is None:  # still invalid: decided again for this generation
+            d.condition("Failed", True, "InvalidSpec", invalid)
+            return d.finish(phase)
         if (d.old.get("Failed") or {}).get("reason") == "InvalidSpec" or d.is_true("Invalid"):
             d.event("Normal", "SpecFixed", "the spec is valid now")
         d.drop("Failed")
@@ -128,7 +128,7 @@ def plan(observed: Observed, settings: OperatorSettings) -> Plan:  # noqa: C901 
         d.condition("Failed", True, "InvalidSpec", invalid)
         d.condition("Ready", False, "InvalidSpec", "the spec is invalid")
         status.setdefault("completionTime", d.stamp)
-        return d.finish("Failed", ttl_plan(status, life.ttlSecondsAfterFinished, now))
+        return d.finish("Failed")
 
     # does it fit its node? (before it ever starts)
     if spec is not None and not status.get("startTime") and not view.active:
@@ -144,7 +144,7 @@ def plan(observed: Observed, settings: OperatorSettings) -> Plan:  # noqa: C901 
             d.condition("Failed", True, "DoesNotFit", message)
             d.condition("Ready", False, "DoesNotFit", "the job cannot fit its node")
             status.update(plan=fit.summary()[:500], completionTime=d.stamp)
-            return d.finish("Failed", ttl_plan(status, life.ttlSecondsAfterFinished, now))
+            return d.finish("Failed")
         if fit is not None:
             status["plan"] = fit.summary()[:500]
 
@@ -191,25 +191,26 @@ def plan(observed: Observed, settings: OperatorSettings) -> Plan:  # noqa: C901 
         d.drop("SpecChangeRefused")
 
     if pod is None:
-        return _create_pod(d, view, spec if reapply else view.applied, pod_name, settings, phase)
+        return _new_pod_plan(d, view, spec if reapply else view.applied, pod_name, settings, phase)
     return _follow_pod(d, view, pod, pod_name, settings, phase)
 
 
-def _create_pod(d: Decision, view: JobView, use: RLTrainingJobSpec | None, pod_name: str, settings: OperatorSettings,
+def _new_pod_plan(d: Decision, view: JobView, use: RLTrainingJobSpec | None, pod_name: str, settings: OperatorSettings,
                 phase: str | None) -> Plan:  # fmt: skip
     """No pod of the current attempt: make one, unless something must go first."""
     status, now = d.status, d.now
     older = [name for name in view.active if name != pod_name]  # an earlier attempt's pod whose DELETE failed: again
     if older:
         d.condition("Ready", False, "WaitingForOldObjects", "deleting the pods of earlier attempts: " + ", ".join(older))
-        return d.finish(phase or "Pending", Plan(status, delete_pods=older, requeue_after=WAIT_SECONDS))
+        return d.finish(phase or "Pending", Plan(status, delete_pods=older))  # its deletion is a pod event
     waiting = [*view.owned_terminating, *view.foreign] + ([f"ConfigMap {view.name}-config"] if view.foreign_configmap else [])
     if waiting:  # an old pod of ours, or a deleted job's objects of the same name, awaiting garbage collection
         d.condition("Ready", False, "WaitingForOldObjects", "waiting until these are gone: " + ", ".join(sorted(waiting))[:800])
-        return d.finish(phase or "Pending", Plan(status, requeue_after=WAIT_SECONDS))
+        # a pod's deletion is a pod event; a ConfigMap's is not watched: look again soon
+        return d.finish(phase or "Pending", Plan(status, requeue_after=WAIT_SECONDS if view.foreign_configmap else None))
     retry_at = parse_time(status.get("nextAttemptAt"))
     if retry_at is not None and now < retry_at:
-        return d.finish(phase or "Pending", Plan(status, requeue_after=(retry_at - now).total_seconds()))
+        return d.finish(phase or "Pending", Plan(status, requeue_after=max(0.5, (retry_at - now).total_seconds())))
     if use is None:  # a (re)start needs the current spec, and it is invalid: the Invalid condition names the fields
         d.condition("Ready", False, "InvalidSpec", "the spec is invalid: fix it to start")
         return d.finish(phase or "Pending")
@@ -224,7 +225,7 @@ def _create_pod(d: Decision, view: JobView, use: RLTrainingJobSpec | None, pod_n
     d.condition("Ready", False, "PodCreated", f"pod {pod_name} created")
     d.event("Normal", "PodCreated", f"created pod {pod_name} (attempt {attempt})")
     configmap = build_configmap(view.name, view.namespace, use, settings) if reapply else None
-    return d.finish("Pending", Plan(status, create_configmap=configmap, create_pod=new_pod, requeue_after=WAIT_SECONDS))
+    return d.finish("Pending", Plan(status, create_configmap=configmap, create_pod=new_pod))  # its changes are pod events
 
 
 def _follow_pod(d: Decision, view: JobView, pod: dict, pod_name: str, settings: OperatorSettings, phase: str | None) -> Plan:
@@ -236,17 +237,15 @@ def _follow_pod(d: Decision, view: JobView, pod: dict, pod_name: str, settings: 
     if report and isinstance(report.get("plan"), str):
         status["plan"] = report["plan"][:500]
     _learner_progress(d, view)
-    if terminating(pod):  # deleted by someone else, or its node is gone: not ready, not polled, no new pod yet
-        reason, message = unready(pod) or ("PodTerminating", f"pod {pod_name} is terminating")
-        d.condition("Ready", False, reason, message)
-        return d.finish(phase or "Pending", Plan(status, requeue_after=WAIT_SECONDS))
-
     pod_phase = phase_of_pod(pod)
-    if pod_phase == "Succeeded":
+    if terminating(pod) and pod_phase not in ("Succeeded", "Failed"):  # deleted by someone else, or its node is gone:
+        reason, message = unready(pod) or ("PodTerminating", f"pod {pod_name} is terminating")  # not ready, not polled,
+        d.condition("Ready", False, reason, message)  # no new pod until it is gone (its deletion is a pod event)
+        return d.finish(phase or "Pending")
+    if pod_phase == "Succeeded":  # what the pod did decides, even while it is being deleted
         d.condition("Complete", True, "LearnerSucceeded", f"pod {pod_name} finished")
         d.condition("Ready", False, "Finished", "the job finished")
-        return d.finish("Succeeded", ttl_plan({**status, "completionTime": d.stamp}, life.ttlSecondsAfterFinished, d.now),
-                        completionTime=d.stamp)  # fmt: skip
+        return d.finish("Succeeded", completionTime=d.stamp)
     if pod_phase == "Failed" and report and report.get("reason") == "DoesNotFit":
         # only the first pod enforces the plan: the learner never ran, so the job counts as never started
         # (an edit that makes it fit starts it, as after a refusal at admission) and its next pod gets a new name
@@ -256,13 +255,13 @@ def _follow_pod(d: Decision, view: JobView, pod: dict, pod_name: str, settings: 
         d.condition("Ready", False, "DoesNotFit", "the job cannot fit its node")
         status.pop("startTime", None)
         return d.finish("Failed", completionTime=d.stamp, attempt=attempt + 1)
-    if pod_phase == "Failed" and disrupted(pod):
+    if pod_phase == "Failed" and (disrupted(pod) or terminating(pod)):  # evicted, preempted, or deleted by someone else
         why = disruption_reason(pod)
         d.event("Warning", "PodDisrupted", f"pod {pod_name} was disrupted ({why}); a new pod resumes from the last checkpoint, "
                                            "not counted against backoffLimit")  # fmt: skip
         d.condition("Ready", False, "PodDisrupted", why[:900])
         status.update(attempt=attempt + 1)
-        return d.finish("Pending", Plan(status, requeue_after=0.5))
+        return d.finish("Pending", Plan(status, requeue_after=0.0))
     final = learner_final_status(pod) if pod_phase == "Failed" else None
     if final is not None and final.get("reason") == "OffPolicy":
         message = f"the learner stopped training off-policy: {_on_policy_figures(view)}"
@@ -288,7 +287,21 @@ def _follow_pod(d: Decision, view: JobView, pod: dict, pod_name: str, settings: 
     else:
         waiting = pending_reason(pod)
         d.condition("Ready", False, "PodWaiting" if waiting else "PodStarting", waiting or f"pod {pod_name} is {pod_phase.lower()}")
-    return d.finish(pod_phase, Plan(status, requeue_after=settings.status_poll_seconds))
+    # a running learner is polled for its progress; anything else changes by pod events (and the deadline)
+    poll = settings.status_poll_seconds if pod_phase == "Running" else None
+    return d.finish(pod_phase, Plan(status, requeue_after=_sooner(poll, _deadline_in(status, life, d.now))))
+
+
+def _deadline_in(status: dict, life, now: datetime) -> float | None:
+    active_since = parse_time(status.get("activeSince"))
+    if life.activeDeadlineSeconds is None or active_since is None:
+        return None
+    return max(0.5, (active_since + timedelta(seconds=life.activeDeadlineSeconds) - now).total_seconds())
+
+
+def _sooner(*delays: float | None) -> float | None:
+    known = [d for d in delays if d is not None]
+    return min(known) if known else None
 
 
 def _on_policy_figures(view: JobView) -> str:
@@ -310,7 +323,7 @@ def _learner_progress(d: Decision, view: JobView) -> None:
         d.status.pop("learnerStatusError", None)
     if view.report is None:
         return
-    d.status["progress"] = view.report.progress()
+    d.status["progress"] = view.report.progress(d.status.get("progress"))
     health = view.report.on_policy
     if health is None or health.state is None:
         return

@@ -1,10 +1,12 @@
 """Reconciles due later: what `Plan.requeue_after` asks for (a running learner's next poll, a
 backoff's end, a TTL), else a slow resync. One entry per job, the earliest due wins; a few
-worker threads run the due ones, so a learner that does not answer delays no other job.
+worker threads run the due ones, never two at once for one job (one due while its reconcile
+runs is run right after it).
 
 This replaces a per-job kopf timer: a timer costs every job, terminal ones included, a full
 reconcile every few seconds (and makes kopf put a finalizer on every job); here a job costs
-requests only when something is due for it or one of its pods changed (handlers.on_pod_event).
+requests when something is due for it (a running learner's poll), when it or one of its pods
+changed (handlers.on_pod_event), and at the slow resync.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from orbit_runtime.observability import metrics
 
 log = logging.getLogger(__name__)
 Key = tuple[str, str]  # (namespace, name)
+RETRY_AFTER_CRASH_SECONDS = 30.0
 
 
 class RequeueScheduler:
@@ -81,6 +84,9 @@ class RequeueScheduler:
                     continue
                 heapq.heappop(self._heap)
                 del self._due[key]
+                if key in self._running:  # never two at once for one job: once more right after this one
+                    self._again.add(key)
+                    continue
                 self._running.add(key)
                 metrics.OPERATOR_REQUEUED_JOBS.set(len(self._due))
             self._pool.submit(self._work, key)
@@ -88,8 +94,9 @@ class RequeueScheduler:
     def _work(self, key: Key) -> None:
         try:
             self._run(*key)
-        except Exception:  # noqa: BLE001 - a failed reconcile is logged and tried again at the next resync
+        except Exception:  # noqa: BLE001 - RUN schedules its own retries; this is a bug in it: try again later
             log.exception("reconcile of %s/%s failed", *key)
+            self.schedule(*key, RETRY_AFTER_CRASH_SECONDS)
         finally:
             with self._cond:
                 self._running.discard(key)

@@ -1,27 +1,18 @@
-"""The RLTrainingJob's status, as pure functions: progress from the learner's `/status`, the
-finished containers' termination messages, conditions (one per type, lastTransitionTime kept
-while the status does not change) and the retry backoff. What a pod's state means is in
-pod_health.py."""
+"""The RLTrainingJob's status, as pure functions: the finished containers' termination
+messages, conditions (one per type, lastTransitionTime kept while the status does not change)
+and the retry backoff. What a pod's state means is in pod_health.py; the learner's `/status`
+in learner_report.py."""
 
 from __future__ import annotations
 
 import json
 from datetime import UTC, datetime
 
-from orbit_operator.learner_report import parse_learner_report
-
-PHASES = ("Pending", "Preparing", "Running", "Succeeded", "Failed", "Suspended")
 TERMINAL = ("Succeeded", "Failed")
 
 
 def now_iso() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def progress_from_learner(learner: dict) -> dict:
-    """`status.progress` from the learner's /status JSON (parsed leniently: orbit_operator.learner_report)."""
-    report, _ = parse_learner_report(learner)
-    return report.progress() if report is not None else {}
 
 
 def _termination_document(pod: dict | None, statuses: str, name: str) -> dict | None:

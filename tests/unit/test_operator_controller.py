@@ -136,10 +136,10 @@ def test_a_wiped_status_is_rebuilt_from_the_owned_pods_not_replayed():
 
 
 def test_observed_generation_moves_only_to_applied_generations():
-    changed = job(RUNNING, rollout={**JOB["spec"]["rollout"], "max_tokens": 64})
+    changed = job({**RUNNING, "observedGeneration": 1}, rollout={**JOB["spec"]["rollout"], "max_tokens": 64})
     changed["metadata"]["generation"] = 2
     refused = plan(Observed(changed, [pod("quickstart-cpu-0", "Running")], configmap(JOB), T0), SETTINGS)
-    assert "observedGeneration" not in refused.status  # generation 2 was refused
+    assert refused.status["observedGeneration"] == 1  # generation 2 was refused
     assert conditions(refused)["SpecChangeRefused"]["observedGeneration"] == 2
     lifecycle = job(RUNNING, backoffLimit=5)
     lifecycle["metadata"]["generation"] = 3
@@ -167,9 +167,10 @@ def test_a_learner_status_that_does_not_parse_is_ignored_and_reported_once():
     bad = {"step": "three", "maxSteps": 4, "reward": 0.5}
     decided = plan(Observed(job(status), running, configmap(JOB), T0, bad), SETTINGS)
     assert decided.status["phase"] == "Running" and decided.status["progress"]["reward"] == 0.5
-    assert "LearnerStatusInvalid" in reasons(decided) and "step='three'" in decided.status["learnerStatusError"]
-    again = plan(Observed(job(decided.status), running, configmap(JOB), T0, bad), SETTINGS)
-    assert "LearnerStatusInvalid" not in reasons(again)
+    assert decided.status["progress"]["step"] == 2 and decided.status["progress"]["stepText"] == "2/4"  # not back to 0
+    assert "LearnerStatusInvalid" in reasons(decided) and "step" in decided.status["learnerStatusError"]
+    again = plan(Observed(job(decided.status), running, configmap(JOB), T0, {**bad, "step": "four"}), SETTINGS)
+    assert "LearnerStatusInvalid" not in reasons(again)  # the same field again, with another bad value: said once
     junk = plan(Observed(job(status), running, configmap(JOB), T0, ["not", "an", "object"]), SETTINGS)
     assert junk.status["progress"] == status["progress"] and "LearnerStatusInvalid" in reasons(junk)
 
@@ -210,3 +211,32 @@ def test_no_new_pod_while_an_earlier_attempt_s_pod_still_runs():
     suspended = plan(Observed(job({**status, "phase": "Suspended"}, restartId="again", suspend=True), [pod("quickstart-cpu-0", "Running")],
                               configmap(JOB), T0), SETTINGS)  # fmt: skip
     assert suspended.delete_pods == ["quickstart-cpu-0"] and suspended.status["attempt"] == 1
+
+
+def test_a_pod_deleted_after_it_succeeded_still_ends_the_job_succeeded():
+    done = pod("quickstart-cpu-0", "Succeeded")
+    done["metadata"]["deletionTimestamp"] = "2026-11-30T12:00:00Z"  # a drain or pod GC before the operator saw it
+    decided = plan(Observed(job(RUNNING), [done], configmap(JOB), T0), SETTINGS)
+    assert decided.status["phase"] == "Succeeded" and decided.create_pod is None
+
+
+def test_removing_a_lifecycle_field_takes_effect_and_every_terminal_outcome_honours_the_ttl():
+    status = {**RUNNING, "activeSince": "2026-11-30T10:00:00Z"}
+    no_deadline = plan(Observed(job(status), [pod("quickstart-cpu-0", "Running")], configmap(dict(JOB, spec={**JOB["spec"],
+                       "activeDeadlineSeconds": 60})), T0), SETTINGS)  # fmt: skip
+    assert no_deadline.status["phase"] == "Running"  # the applied spec had a deadline; the job as written has none
+    failed = pod("quickstart-cpu-0", "Failed")
+    over = plan(Observed(job({**RUNNING, "failures": 2}, ttlSecondsAfterFinished=30), [failed], configmap(JOB), T0), SETTINGS)
+    assert over.status["phase"] == "Failed" and over.requeue_after == 30  # due at its TTL, not at the resync
+    late = plan(Observed(job(status, activeDeadlineSeconds=60, ttlSecondsAfterFinished=0), [pod("quickstart-cpu-0", "Running")],
+                         configmap(JOB), T0), SETTINGS)  # fmt: skip
+    assert late.status["phase"] == "Failed" and late.delete_job and late.delete_pods == ["quickstart-cpu-0"]
+
+
+def test_only_a_running_learner_is_polled():
+    pending = plan(Observed(job(RUNNING), [pod("quickstart-cpu-0", "Pending")], configmap(JOB), T0), SETTINGS)
+    assert pending.requeue_after is None  # its changes arrive as pod events
+    running = plan(Observed(job(RUNNING), [pod("quickstart-cpu-0", "Running")], configmap(JOB), T0), SETTINGS)
+    assert running.requeue_after == SETTINGS.status_poll_seconds
+    done = plan(Observed(job(RUNNING), [pod("quickstart-cpu-0", "Succeeded")], configmap(JOB), T0), SETTINGS)
+    assert done.requeue_after is None and not done.delete_job

@@ -93,7 +93,7 @@ def _json_path(document: dict, path: str):
 
 
 def test_printer_columns_resolve_on_a_real_status():
-    from orbit_operator.status import progress_from_learner
+    from orbit_operator.learner_report import parse_learner_report
     from orbit_runtime.trainer.recorder import RunState, status_document
 
     state = RunState(step=7, adapter_version=7, rows=[{"kind": "step", "step": 7, "reward_mean": 0.5},
@@ -102,10 +102,11 @@ def test_printer_columns_resolve_on_a_real_status():
     learner = status_document(state, phase="running", max_steps=20, checkpoint_uri="s3://b/p", last_checkpoint_step=5,
                               restarts={"rollout": 0, "reference": 0})  # fmt: skip
     job = {"metadata": {"creationTimestamp": "2026-11-30T00:00:00Z"},
-           "status": {"phase": "Running", "progress": progress_from_learner(learner)}}  # fmt: skip
+           "status": {"phase": "Running", "progress": parse_learner_report(learner)[0].progress()}}  # fmt: skip
     values = {c["name"]: _json_path(job, c["jsonPath"]) for c in PRINTER_COLUMNS}
     assert values == {"Phase": "Running", "Step": "7/20", "Reward": 0.5, "Held-out": 0.25, "Age": "2026-11-30T00:00:00Z"}
     assert job["status"]["progress"]["heldoutStderr"] == 0.08 and job["status"]["progress"]["heldoutPrompts"] == 30
+    assert parse_learner_report(learner)[1] is None  # the learner's own document parses whole
     status_schema = jsonschema_of(crd_manifest()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"])
     jsonschema.validate(job["status"], status_schema)
 

@@ -58,7 +58,9 @@ def test_an_invalid_job_fails_naming_the_field_and_creates_nothing():
     invalid = [c for c in decided.status["conditions"] if c["type"] == "Invalid"][0]
     assert invalid["status"] == "True" and "spec.rollout.group_size" in invalid["message"]
     assert any(e[0] == "Warning" and e[1] == "Invalid" for e in decided.events)
-    fixed = job(status=decided.status)  # the user corrects the spec: the job starts
+    assert plan(Observed(job(status=decided.status, rollout={"group_size": 0}), [], None, T0), SETTINGS).create_pod is None
+    fixed = job(status=decided.status)  # the user corrects the spec (a new generation): the job starts
+    fixed["metadata"]["generation"] = 2
     again = plan(Observed(fixed, [], None, T0), SETTINGS)
     assert again.create_pod is not None and not any(c["type"] == "Invalid" for c in again.status["conditions"])
 

@@ -42,7 +42,8 @@ schema validation/defaulting, admission, pod logs/exec, pagination (``limit`` is
 (use :meth:`KubeEmulator.set_pod_status`). Object endpoints are served by this module directly, so kmock DSL
 reactions (``handler[...] << ...``) only apply to non-object paths (discovery, ``/version``, custom URLs).
 
-Modules: ``handler`` (discovery and the write path), ``reads`` (lists, tables, watches),
+Modules: ``handler`` (discovery and the write path), ``deletion`` (finalizers, graceful deletion, garbage
+collection), ``reads`` (lists, tables, watches),
 ``api_semantics`` (patches, selectors, jsonpath), ``server`` (the thread and the test-side API),
 ``kopf_process`` (a real ``kopf run``), ``fixtures``, ``kmock_fix``.
 
