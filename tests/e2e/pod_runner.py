@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tests.e2e.sandbox import BWRAP, Container, PodError, expand, identity_files, mirror_host_root
-from tests.kube.emulator import KubeApiError, _now
+from tests.kube.emulator import KubeApiError
+from tests.kube.emulator.api_semantics import _now
 
 if TYPE_CHECKING:
     from tests.e2e.node import ProcessNode

@@ -87,7 +87,7 @@ def test_a_rollout_serving_another_base_fails_at_start_naming_the_fields(vllm_se
     role = RolloutRole(VLLMServerConfig(int4_dir), CANARY, tolerance=None, retries=1, max_restarts=1, url=vllm_server.base_url)
     role.start()
     try:
-        with pytest.raises(SyncError, match=r"differs from the learner's by \d+\.\d+ .* at most 0\.02 .* fp16.*model\.path"):
+        with pytest.raises(SyncError, match=r"differs from the learner's by \d+\.\d+ mean .*\(at most 0\.02 .* in fp16\).*model\.path"):
             role.calibrate(policy, "fp16")
         assert role.served_name is None
     finally:
