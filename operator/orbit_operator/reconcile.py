@@ -165,9 +165,9 @@ def plan(observed: Observed, settings: OperatorSettings) -> Plan:  # noqa: C901 
 
     if pod is not None and scheduled(pod) and not terminating(pod):
         status.setdefault("activeSince", d.stamp)  # the deadline counts from here, not while queued
-    active_since = parse_time(status.get("activeSince"))
-    if life.activeDeadlineSeconds is not None and active_since is not None:
-        if now >= active_since + timedelta(seconds=life.activeDeadlineSeconds):
+    deadline = _deadline(status, life)
+    if deadline is not None:
+        if now >= deadline:
             d.condition("Failed", True, "DeadlineExceeded", f"ran longer than activeDeadlineSeconds ({life.activeDeadlineSeconds})")
             return d.finish("Failed", Plan(status, delete_pods=view.active), completionTime=d.stamp)
 
@@ -292,11 +292,17 @@ def _follow_pod(d: Decision, view: JobView, pod: dict, pod_name: str, settings: 
     return d.finish(pod_phase, Plan(status, requeue_after=_sooner(poll, _deadline_in(status, life, d.now))))
 
 
-def _deadline_in(status: dict, life, now: datetime) -> float | None:
+def _deadline(status: dict, life) -> datetime | None:
+    """When activeDeadlineSeconds runs out: counted from activeSince (the pod left the queue)."""
     active_since = parse_time(status.get("activeSince"))
     if life.activeDeadlineSeconds is None or active_since is None:
         return None
-    return max(0.5, (active_since + timedelta(seconds=life.activeDeadlineSeconds) - now).total_seconds())
+    return active_since + timedelta(seconds=life.activeDeadlineSeconds)
+
+
+def _deadline_in(status: dict, life, now: datetime) -> float | None:
+    deadline = _deadline(status, life)
+    return None if deadline is None else max(0.5, (deadline - now).total_seconds())
 
 
 def _sooner(*delays: float | None) -> float | None:
