@@ -23,6 +23,11 @@ def main() -> int:
     logging.basicConfig(level=os.environ.get("ORBIT_LOG_LEVEL", "INFO"), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         from orbit_operator import handlers  # registers the handlers; reads (and checks) the settings
+        from orbit_operator.job_secrets import RedactingLogFilter
+
+        for handler in logging.getLogger().handlers:  # every record the process logs, kopf's included
+            handler.addFilter(RedactingLogFilter())
+        logging.getLogger("kopf.objects").addFilter(RedactingLogFilter())  # kopf posts these as Events too
 
         settings = handlers.SETTINGS
         liveness_port = int(os.environ.get("ORBIT_LIVENESS_PORT", "8080"))

@@ -28,6 +28,34 @@ NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 MAX_NAME = 40  # leaves room for the pod and ConfigMap suffixes within 63 characters
 
 
+@dataclass(frozen=True)
+class PodMetadataPolicy:
+    """What the operator's configuration lets a job put on its pod (Helm values `operator.allowed*`): the
+    priority classes, and the label and annotation keys (a key ending in `/*` allows a whole prefix). An
+    empty tuple allows anything, as before these settings existed."""
+
+    priority_classes: tuple[str, ...] = ()
+    label_keys: tuple[str, ...] = ()
+    annotation_keys: tuple[str, ...] = ()
+
+    def errors(self, spec: RLTrainingJobSpec) -> list[str]:
+        out = []
+        if self.priority_classes and spec.priorityClassName and spec.priorityClassName not in self.priority_classes:
+            out.append(f"spec.priorityClassName: {spec.priorityClassName!r} is not allowed by the operator "
+                       f"(ORBIT_ALLOWED_PRIORITY_CLASSES: {', '.join(self.priority_classes)})")  # fmt: skip
+        for field_name, allowed, env in (("podLabels", self.label_keys, "ORBIT_ALLOWED_POD_LABELS"),
+                                         ("podAnnotations", self.annotation_keys, "ORBIT_ALLOWED_POD_ANNOTATIONS")):  # fmt: skip
+            refused = sorted(key for key in getattr(spec, field_name) if allowed and not _key_allowed(key, allowed))
+            if refused:
+                out.append(f"spec.{field_name}: {', '.join(map(repr, refused))} not allowed by the operator "
+                           f"({env}: {', '.join(allowed)})")  # fmt: skip
+        return out
+
+
+def _key_allowed(key: str, allowed: tuple[str, ...]) -> bool:
+    return any(key == pattern or (pattern.endswith("/*") and key.startswith(pattern[:-1])) for pattern in allowed)
+
+
 class ManifestError(ValueError):
     """The file cannot be read as YAML manifests at all."""
 
@@ -137,8 +165,10 @@ def _cluster_rules(spec: RLTrainingJobSpec, max_gpus_per_node: int, allow_image_
     return errors
 
 
-def validate_job(document: Any, source: str = "manifest", max_gpus_per_node: int = 8, allow_image_override: bool = False) -> JobCheck:
-    """Check one RLTrainingJob manifest (a parsed YAML/JSON document); MAX_GPUS_PER_NODE is the operator's setting."""
+def validate_job(document: Any, source: str = "manifest", max_gpus_per_node: int = 8, allow_image_override: bool = False,
+                 pod_metadata: PodMetadataPolicy | None = None) -> JobCheck:  # fmt: skip
+    """Check one RLTrainingJob manifest (a parsed YAML/JSON document); MAX_GPUS_PER_NODE, ALLOW_IMAGE_OVERRIDE and
+    POD_METADATA are the operator's settings."""
     if not isinstance(document, dict):
         return JobCheck(None, errors=[f"{source}: expected a mapping (an RLTrainingJob), got {type(document).__name__}"])
     metadata = document.get("metadata")
@@ -168,4 +198,5 @@ def validate_job(document: Any, source: str = "manifest", max_gpus_per_node: int
         errors.append("spec: nested too deeply")
         return check
     errors.extend(_cluster_rules(check.spec, max_gpus_per_node, allow_image_override))
+    errors.extend((pod_metadata or PodMetadataPolicy()).errors(check.spec))
     return check

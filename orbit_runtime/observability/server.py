@@ -1,5 +1,6 @@
 """`/metrics` (Prometheus text format), `/healthz` and, for the learner, `/status` (JSON
-progress the operator copies into the job's status), on a background thread.
+progress the operator copies into the job's status), on a background thread. With an API key,
+every route but /metrics and /healthz needs it (orbit_runtime.api_key).
 
 The learner runs this server; the reference server adds the same two routes to its FastAPI
 app (see reference.server), and vLLM serves its own `/metrics`.
@@ -14,14 +15,17 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from orbit_runtime.api_key import authorized
+
 
 class MetricsServer:
     """Serves REGISTRY on HOST:PORT (port 0: any free port) until stop()."""
 
     def __init__(self, registry: CollectorRegistry, host: str, port: int, healthy: Callable[[], bool] = lambda: True,
-                 status: Callable[[], dict] | None = None) -> None:  # fmt: skip
+                 status: Callable[[], dict] | None = None, api_key: str | None = None) -> None:  # fmt: skip
         self.healthy = healthy
         self.status = status
+        self.api_key = api_key
         owner = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -30,7 +34,9 @@ class MetricsServer:
 
             def do_GET(self) -> None:
                 path = self.path.split("?")[0]
-                if path == "/metrics":
+                if not authorized(path, self.headers.get("Authorization"), owner.api_key):
+                    body, status, ctype = b"unauthorized: /status needs the run's API key (Authorization: Bearer ...)\n", 401, "text/plain"
+                elif path == "/metrics":
                     body, status, ctype = generate_latest(registry), 200, CONTENT_TYPE_LATEST
                 elif path == "/healthz":
                     ok = owner.healthy()

@@ -9,14 +9,15 @@ from pathlib import Path
 import httpx
 import torch
 
+from orbit_runtime.api_key import API_KEY_ENV, auth_headers
 from orbit_runtime.processes import ManagedServer, free_port
 
 
 class ReferenceClient:
     """HTTP client of `orbit_runtime.reference.server`."""
 
-    def __init__(self, base_url: str, timeout_s: float = 300.0) -> None:
-        self._http = httpx.Client(base_url=base_url, timeout=timeout_s)
+    def __init__(self, base_url: str, timeout_s: float = 300.0, api_key: str | None = None) -> None:
+        self._http = httpx.Client(base_url=base_url, timeout=timeout_s, headers=auth_headers(api_key))
 
     def logprobs(self, pairs: list[tuple[list[int], list[int]]], temperature: float = 1.0) -> list[torch.Tensor]:
         payload = {"sequences": [{"prompt_ids": p, "completion_ids": c} for p, c in pairs], "temperature": temperature}
@@ -39,10 +40,11 @@ class ReferenceServer(ManagedServer):
     name = "reference server"
 
     def __init__(self, model_dir: Path, dtype: str, log_path: Path, micro_batch_tokens: int | None = None,
-                 device: str = "cpu", host: str = "127.0.0.1") -> None:  # fmt: skip
+                 device: str = "cpu", host: str = "127.0.0.1", api_key: str | None = None) -> None:  # fmt: skip
         port = free_port(host)
         command = [sys.executable, "-m", "orbit_runtime.reference.server", "--model-dir", str(model_dir),
                    "--dtype", dtype, "--host", host, "--port", str(port), "--device", device]  # fmt: skip
         if micro_batch_tokens is not None:
             command += ["--micro-batch-tokens", str(micro_batch_tokens)]
-        super().__init__(command, port=port, host=host, env=dict(os.environ), log_path=log_path)
+        env = {**os.environ, **({API_KEY_ENV: api_key} if api_key else {})}
+        super().__init__(command, port=port, host=host, env=env, log_path=log_path)

@@ -36,6 +36,7 @@ def create_app(model_dir: Path, dtype: str, device: str = "auto", micro_batch_to
     from fastapi import FastAPI, HTTPException, Response
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+    from orbit_runtime.api_key import ApiKeyMiddleware
     from orbit_runtime.learner.device import resolve_device
     from orbit_runtime.learner.int4_base import load_int4_base
     from orbit_runtime.learner.micro_batches import MicroBatchLimits, logprobs_in_micro_batches
@@ -51,6 +52,7 @@ def create_app(model_dir: Path, dtype: str, device: str = "auto", micro_batch_to
     lock = threading.Lock()  # one forward at a time; requests queue
     stats = {"requests": 0, "sequences": 0, "seconds": 0.0}
     app = FastAPI(title="orbit reference")
+    app.add_middleware(ApiKeyMiddleware)  # /v1/logprobs needs the run's key; /healthz and /metrics stay open
     metrics.register_resources("reference")
 
     @app.get("/health")

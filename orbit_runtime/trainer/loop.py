@@ -26,6 +26,7 @@ import torch
 
 from orbit_runtime.algorithms.grpo import LossConfig
 from orbit_runtime.algorithms.lr_schedule import lr_multiplier
+from orbit_runtime.api_key import api_key, new_api_key
 from orbit_runtime.config.fingerprint import config_hash, training_fields
 from orbit_runtime.config.spec import JobSpec
 from orbit_runtime.data.datasets import load_splits
@@ -121,7 +122,11 @@ class Trainer:
             if spec.sync.decode_tokens
             else None
         )
-        self.rollout = RolloutRole(rollout_server_config(spec, self.paths.logs / "vllm.log", self.device), canary_pairs(spec, self.tokenizer, self.splits.validation),
+        # the run's API key: the pod's (ORBIT_API_KEY, from the job's Secret), or a new one for the child servers
+        self.api_key = api_key() or new_api_key()
+        server_config = rollout_server_config(spec, self.paths.logs / "vllm.log", self.device)
+        server_config.api_key = self.api_key
+        self.rollout = RolloutRole(server_config, canary_pairs(spec, self.tokenizer, self.splits.validation),
                                    spec.sync.tolerance, spec.sync.retries, spec.rollout.max_restarts,
                                    external.rollout_url, external.wait_s, decode)  # fmt: skip
         self.on_policy = OnPolicyGuard.from_spec(spec.algorithm.max_mismatch, spec.algorithm.max_mismatch_steps)
@@ -129,7 +134,7 @@ class Trainer:
         self.off_policy: OffPolicy | None = None
         self.reference = ReferenceRole(spec.reference.mode, self.policy, Path(spec.model.path), self.learner_dtype,
                                        self.paths.logs / "reference.log", spec.reference.max_restarts, self.limits,
-                                       external.reference_url, external.wait_s)  # fmt: skip
+                                       external.reference_url, external.wait_s, api_key=self.api_key)  # fmt: skip
         self.builder = BatchBuilder(spec, self.tokenizer, RewardScorer(spec.rewards), self.rollout, self.reference)
         self.evaluator = Evaluator(spec, self.tokenizer, self.builder, self.rollout, self.splits.validation)
         self.metrics_server: MetricsServer | None = None
@@ -383,7 +388,7 @@ class Trainer:
         if self.spec.metrics.port is None:
             return
         self.metrics_server = MetricsServer(metrics.LEARNER_REGISTRY, self.spec.metrics.host, self.spec.metrics.port,
-                                            status=self.status).start()  # fmt: skip
+                                            status=self.status, api_key=self.api_key).start()  # fmt: skip
         self._say(f"metrics: {self.metrics_server.url}/metrics (health: /healthz, progress: /status)")
 
     def status(self) -> dict:

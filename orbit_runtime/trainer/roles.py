@@ -202,12 +202,12 @@ class RolloutRole(SupervisedRole):
 
     def start(self) -> None:
         if self.url is not None:  # the pod's rollout container
-            self.client = RolloutClient(self.url)
+            self.client = RolloutClient(self.url, api_key=self.config.api_key)
             self.wait_until_up()
         else:
             self.config.port = 0  # a fresh port: an old one may linger in TIME_WAIT
             self.server = VLLMServer(self.config).start()
-            self.client = RolloutClient(self.server.base_url)
+            self.client = RolloutClient(self.server.base_url, api_key=self.config.api_key)
         self.sync = AdapterSync(self.client, self.canary, self.tolerance, self.retries)
         self.sync.noise_floor = self.noise_floor  # a restarted engine: the same dtype and machine
 
@@ -316,8 +316,10 @@ class ReferenceRole(SupervisedRole):
     role = "reference"
 
     def __init__(self, mode: str, policy, model_dir: Path, dtype: str, log_path: Path, max_restarts: int,
-                 limits: MicroBatchLimits = NO_LIMITS, url: str | None = None, wait_s: float = 600.0) -> None:  # fmt: skip
+                 limits: MicroBatchLimits = NO_LIMITS, url: str | None = None, wait_s: float = 600.0,
+                 api_key: str | None = None) -> None:  # fmt: skip
         super().__init__(max_restarts, metrics.REFERENCE_RESTARTS, url, wait_s)
+        self.api_key = api_key
         self.mode = mode
         self.policy = policy
         self.limits = limits  # shared mode scores in the learner's micro-batches, on its device
@@ -331,12 +333,13 @@ class ReferenceRole(SupervisedRole):
         if self.mode != "server":
             return
         if self.url is not None:  # the pod's reference container
-            self.client = ReferenceClient(self.url)
+            self.client = ReferenceClient(self.url, api_key=self.api_key)
             self.wait_until_up()
             return
         device = self.policy.device.type  # the reference server runs where the learner runs
-        self.server = ReferenceServer(self.model_dir, self.dtype, self.log_path, self.limits.max_tokens, device).start()
-        self.client = ReferenceClient(self.server.base_url)
+        self.server = ReferenceServer(self.model_dir, self.dtype, self.log_path, self.limits.max_tokens, device,
+                                      api_key=self.api_key).start()  # fmt: skip
+        self.client = ReferenceClient(self.server.base_url, api_key=self.api_key)
 
     def stop(self) -> None:
         if self.client is not None:

@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 import yaml
 
+from orbit_operator.job_access import build_api_key_secret
 from orbit_operator.job_spec import RLTrainingJobSpec
 from orbit_operator.pod import base_cache_dir, build_configmap, build_pod
 from orbit_operator.settings import OperatorSettings
@@ -148,6 +149,7 @@ def test_a_role_cannot_write_to_the_base_or_its_root_filesystem(cluster: Cluster
     spec = RLTrainingJobSpec.model_validate({**job_spec(cluster.bucket, "probe", 1), "base": {"format": "int4", "nodeCache": "probe"}})
     settings = OperatorSettings(cache_root=str(cluster.cache_root), learner_status_port=cluster.status_port)
     cluster.kube.create(cluster.kube.path("v1/configmaps", NS), build_configmap("probe", NS, spec, settings))
+    cluster.kube.create(cluster.kube.path("v1/secrets", NS), build_api_key_secret("probe", NS, "probe-key"))  # the roles' key
     pod = build_pod("probe", NS, spec, settings)
     learner = pod["spec"]["containers"][0]
     attempts = "import sys\nfor path in sys.argv[1:]:\n    try:\n        open(path, 'w')\n        print(path, 'written')\n" \

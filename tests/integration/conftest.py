@@ -12,6 +12,7 @@ from orbit_runtime.rollout.client import RolloutClient
 from orbit_runtime.rollout.server import VLLMServer, VLLMServerConfig
 
 RANK = 8
+API_KEY = "orbit-test-run-key-7f3a9c"  # the run's key (orbit_runtime.api_key): every test client must send it
 
 
 # An Instruct checkpoint's generation_config.json carries sampling defaults (Qwen2.5-Instruct:
@@ -29,13 +30,13 @@ def vllm_server(int4_dir, tmp_path_factory):
     (served / "generation_config.json").write_text(json.dumps({**generation, **INSTRUCT_SAMPLING_DEFAULTS}))
     # prefix caching and max_num_seqs at vLLM's CPU defaults: the flags Orbit passes are accepted by the real server
     config = VLLMServerConfig(served, dtype="float16", max_lora_rank=RANK, log_path=log, enable_prefix_caching=True,
-                              max_num_seqs=128)  # fmt: skip
+                              max_num_seqs=128, api_key=API_KEY)  # fmt: skip
     with VLLMServer(config) as server:
         yield server
 
 
 @pytest.fixture(scope="session")
 def rollout_client(vllm_server):
-    client = RolloutClient(vllm_server.base_url)
+    client = RolloutClient(vllm_server.base_url, api_key=API_KEY)
     yield client
     client.close()

@@ -8,6 +8,7 @@ import httpx
 import pytest
 import torch
 
+from orbit_runtime.api_key import auth_headers
 from orbit_runtime.config import AdapterSpec
 from orbit_runtime.learner.model import load_policy
 from orbit_runtime.rollout.client import RolloutClient
@@ -15,7 +16,7 @@ from orbit_runtime.rollout.server import VLLMServer, VLLMServerConfig
 from orbit_runtime.sync.adapter_sync import AdapterSync, SyncError, calibrated_tolerance, canary_expectations, publish_adapter
 from orbit_runtime.trainer.roles import DecodeCanary, RolloutRole
 
-from .conftest import RANK
+from .conftest import API_KEY, RANK
 
 pytestmark = pytest.mark.vllm
 CANARY = [([97, 86, 84, 70, 83, 0], [18, 19, 12, 24, 98]), ([97, 66, 67, 68], [20, 21, 22])]
@@ -84,7 +85,7 @@ def test_a_rollout_serving_another_base_fails_at_start_naming_the_fields(vllm_se
     policy = load_policy(int4_dir, AdapterSpec(rank=RANK, alpha=16), dtype="fp16")
     with torch.no_grad():  # the learner's base is now another model than the one vLLM serves
         policy.model.get_output_embeddings().weight.mul_(8.0)
-    role = RolloutRole(VLLMServerConfig(int4_dir), CANARY, tolerance=None, retries=1, max_restarts=1, url=vllm_server.base_url)
+    role = RolloutRole(VLLMServerConfig(int4_dir, api_key=API_KEY), CANARY, tolerance=None, retries=1, max_restarts=1, url=vllm_server.base_url)
     role.start()
     try:
         with pytest.raises(SyncError, match=r"differs from the learner's by \d+\.\d+ mean .*\(at most 0\.02 .* in fp16\).*model\.path"):
@@ -161,17 +162,18 @@ def test_an_external_rollout_restarted_between_requests_is_noticed_and_resynced(
 
     policy = load_policy(int4_dir, AdapterSpec(rank=RANK, alpha=16), dtype="fp16")
     _nudge(policy, 7)
-    config = VLLMServerConfig(int4_dir)  # unused with a URL: the server is external
+    config = VLLMServerConfig(int4_dir, api_key=API_KEY)  # with a URL only its key is used: the server is external
     role = RolloutRole(config, CANARY, tolerance=2e-2, retries=1, max_restarts=1, url=vllm_server.base_url, wait_s=30)
     role.start()
     try:
         root = tmp_path / "adapters"
         served = role.publish(policy, 31, publish_adapter(policy, root, 31)[0]).served_name
         # what a freshly restarted vLLM looks like: up, with no adapter loaded
-        httpx.post(f"{vllm_server.base_url}/v1/unload_lora_adapter", json={"lora_name": served}).raise_for_status()
+        httpx.post(f"{vllm_server.base_url}/v1/unload_lora_adapter", json={"lora_name": served},
+                   headers=auth_headers(API_KEY)).raise_for_status()  # fmt: skip
         assert role.lost_state()
         scores = role.call(lambda client: client.score(CANARY[0][0] + CANARY[0][1], model=role.served_name), kind="request")
         assert scores  # answered, with the adapter loaded again
-        assert role.restarts == 1 and role.served_name in RolloutClient(vllm_server.base_url).served_models()
+        assert role.restarts == 1 and role.served_name in RolloutClient(vllm_server.base_url, api_key=API_KEY).served_models()
     finally:
         role.stop()

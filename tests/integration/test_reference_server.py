@@ -1,6 +1,7 @@
 """The reference server (a real HTTP process) returns the base policy's log-probs, exactly
 what the learner computes with its adapter disabled."""
 
+import httpx
 import torch
 
 from orbit_runtime.config import AdapterSpec
@@ -22,11 +23,16 @@ def test_reference_server_matches_learner_with_adapter_disabled(int4_dir, tmp_pa
         one_batch = policy.completion_logprobs(pairs)
     for a, b in zip(shared, one_batch, strict=True):
         assert torch.allclose(a, b, atol=1e-5)
-    with ReferenceServer(int4_dir, "fp32", log_path=tmp_path / "ref.log", micro_batch_tokens=8) as server:
-        client = ReferenceClient(server.base_url)
+    key = "reference-test-key"
+    with ReferenceServer(int4_dir, "fp32", log_path=tmp_path / "ref.log", micro_batch_tokens=8, api_key=key) as server:
+        client = ReferenceClient(server.base_url, api_key=key)
         remote, remote_cold = client.logprobs(pairs), client.logprobs(pairs, temperature=0.7)
         bad = client._http.post("/v1/logprobs", json={"sequences": [{"prompt_ids": [1], "completion_ids": [10**6]}]})
         client.close()
+        payload = {"sequences": [{"prompt_ids": [97], "completion_ids": [18]}]}  # the run's key, or 401; probes stay open
+        assert httpx.post(f"{server.base_url}/v1/logprobs", json=payload).status_code == 401
+        assert httpx.post(f"{server.base_url}/v1/logprobs", json=payload, headers={"Authorization": "Bearer x"}).status_code == 401
+        assert httpx.get(f"{server.base_url}/healthz").status_code == 200 and httpx.get(f"{server.base_url}/metrics").status_code == 200
     for a, b, (_, completion) in zip(shared, remote, pairs, strict=True):
         assert b.shape == (len(completion),)
         assert torch.allclose(a, b, atol=1e-5)

@@ -180,7 +180,8 @@ def test_stop_signal_checkpoints_and_stops_cleanly_without_orphans(tmp_path, int
     config = _job(tmp_path, int4_dir, schedule={"steps": 50, "learning_rate": 1e-3})
     run = tmp_path / "runs" / "t"
     metrics_port = free_port()
-    proc = _orbit("train", str(config), "--metrics-port", str(metrics_port), cwd=tmp_path)
+    key = "train-test-key"  # the run's API key (a pod's comes from the job's Secret; unset, orbit train makes one)
+    proc = _orbit("train", str(config), "--metrics-port", str(metrics_port), cwd=tmp_path, env_extra={"ORBIT_API_KEY": key})
     try:
         _wait_for(lambda: len(_steps(run)) >= 1, 300, "the first training step")
         roles = json.loads((run / "processes.json").read_text())
@@ -188,7 +189,8 @@ def test_stop_signal_checkpoints_and_stops_cleanly_without_orphans(tmp_path, int
         assert roles["learner"]["metrics_url"] == f"http://127.0.0.1:{metrics_port}"
         assert httpx.get(f"http://127.0.0.1:{metrics_port}/healthz").status_code == 200
         assert "orbit_learner_step" in httpx.get(f"http://127.0.0.1:{metrics_port}/metrics").text
-        progress = httpx.get(f"http://127.0.0.1:{metrics_port}/status").json()
+        assert httpx.get(f"http://127.0.0.1:{metrics_port}/status").status_code == 401
+        progress = httpx.get(f"http://127.0.0.1:{metrics_port}/status", headers={"Authorization": f"Bearer {key}"}).json()
         assert progress["phase"] == "running" and progress["maxSteps"] == 50 and progress["step"] >= 1
         proc.send_signal(stop)
         output, _ = proc.communicate(timeout=120)

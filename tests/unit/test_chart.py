@@ -31,6 +31,7 @@ EVERYTHING_ON = {
     "monitoring": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}},
                    "podMonitor": {"enabled": True, "labels": {"release": "prom"}},
                    "prometheusRule": {"enabled": True}, "grafanaDashboard": {"enabled": True, "folder": "ML"}},
+    "podSecurity": {"admissionPolicy": True}, "networkPolicy": {"enabled": True},
 }  # fmt: skip
 
 
