@@ -33,6 +33,11 @@ class Plan:
     events: list[tuple[str, str, str]] = field(default_factory=list)  # (Normal|Warning, reason, message)
     requeue_after: float | None = None
     rejection: str = ""  # set by the handlers: why the API server refused create_pod for good
+    create_workload: dict | None = None  # the job's Kueue Workload (kueue.py)
+    workload_patch: dict | None = None  # a merge patch of the Workload's status (Finished, or its admission released)
+    workload_active: bool | None = None  # set the Workload's spec.active (False while the job is suspended)
+    workload_queue: str | None = None  # set the Workload's spec.queueName (the job's label changed, no quota reserved)
+    delete_workload: bool = False  # delete the Workload first (other pod requests, or the queue label removed)
 
 
 class Decision:

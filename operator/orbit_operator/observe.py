@@ -30,6 +30,7 @@ class Observed:
     configmap: dict | None  # the ConfigMap of the job's name: ours or not is decided here
     now: datetime  # naive UTC
     learner_status: Any = None  # the running learner's /status JSON (untrusted), if it answered
+    workload: dict | None = None  # the job's Kueue Workload (by its name, with Kueue enabled): ours or not is decided here
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,8 @@ class JobView:
     report: LearnerReport | None = None
     report_error: str | None = None  # why (part of) the learner's /status was ignored
     active: list[str] = field(default_factory=list)  # owned pods not finished nor terminating
+    workload: dict | None = None  # our Kueue Workload (kueue.py), or None
+    queue: str | None = None  # the Kueue queue, when Kueue manages the job (set by reconcile.plan, which knows the settings)
 
     def pod(self, name: str) -> dict | None:
         return next((p for p in self.owned if p["metadata"]["name"] == name), None)
@@ -131,7 +134,7 @@ def observe(observed: Observed) -> JobView:
         raw_spec=job.get("spec"), status=status, owned=owned, foreign=foreign, configmap=ours,
         foreign_configmap=observed.configmap is not None and ours is None, applied=applied,
         lifecycle=lifecycle_of(job.get("spec"), applied), attempt=attempt, failures=max(_count(status.get("failures")), derived),
-        report=report, report_error=error,
+        report=report, report_error=error, workload=observed.workload if controlled_by(observed.workload, uid) else None,
         active=[p["metadata"]["name"] for p in owned if not terminating(p)
                 and (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")],
     )  # fmt: skip

@@ -10,3 +10,4 @@ ORBIT_CRD = REPO_ROOT / "charts" / "orbit" / "crds" / "rltrainingjob.yaml"
 RLJOBS = "orbit.dev/v1alpha1/rltrainingjobs"  # a resource key for KubeEmulator.path()
 
 _T = TypeVar("_T")
+KUEUE_WORKLOAD_CRD = Path(__file__).with_name("kueue_workloads_crd.yaml")  # Kueue's Workload kind (no Kueue controller runs)
