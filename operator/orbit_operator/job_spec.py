@@ -16,17 +16,42 @@ neither.
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import BeforeValidator, Field, StringConstraints, WithJsonSchema, field_validator, model_validator
 
+from orbit_operator.core_types import Affinity, AsDict, Toleration
 from orbit_runtime.config.spec import CheckpointSpec, JobSpec, ModelSettings, ModelSpec, Section
 from orbit_runtime.config.storage_uri import validate_storage_uri
 
-QUANTITY = r"^([+]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"  # a Kubernetes resource quantity, e.g. 500m, 16Gi
+# a Kubernetes resource quantity (e.g. 8, 500m, 16Gi): apimachinery's regex, as the API server checks it
+QUANTITY = r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 MAX_GPUS_PER_NODE = 8  # one node; the operator may be configured lower
 LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+
+
+def _quantity_text(value: Any) -> Any:
+    """A quantity written as a YAML integer (cpu: 8) as the string Kubernetes would print. A fraction must be a
+    string (cpu: "500m" or "0.5"): the API server's int-or-string refuses a YAML float, and so does this."""
+    if isinstance(value, bool):
+        raise ValueError("must be a Kubernetes quantity (a number or a string such as 500m or 16Gi), not a boolean")
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    if isinstance(value, float):
+        raise ValueError(f"{value} is not an integer: write a fraction as a string, e.g. '{round(value * 1000)}m'")
+    if isinstance(value, int):
+        return str(value)
+    return value
+
+
+# int or string, as in a pod's resources (the CRD: x-kubernetes-int-or-string with the pattern); held as a string
+Quantity = Annotated[
+    str,
+    BeforeValidator(_quantity_text),
+    StringConstraints(pattern=QUANTITY, max_length=32),
+    WithJsonSchema({"x-kubernetes-int-or-string": True, "pattern": QUANTITY, "maxLength": 32}),
+]
 
 
 class PvcSource(Section):
@@ -54,7 +79,7 @@ class BaseSource(Section):
         "checkpoint, quantized once into the node's cache.",
     )
     pvc: PvcSource | None = Field(None, description="The checkpoint on a PVC.")
-    uri: str | None = Field(None, description="The checkpoint in object storage (s3://bucket/prefix).")
+    uri: str | None = Field(None, max_length=2048, description="The checkpoint in object storage (s3://bucket/prefix).")
     nodeCache: str | None = Field(
         None, pattern=DNS_LABEL, max_length=63,
         description="An INT4 base an administrator put in every node's cache under named/<this name>/model "
@@ -134,13 +159,22 @@ class RoleResources(Section):
     """One container's resources (requests = limits, as GPU pods need) and optional image."""
 
     gpus: int = Field(0, ge=0, le=MAX_GPUS_PER_NODE, description="nvidia.com/gpu of this container.")
-    cpu: str = Field("2", pattern=QUANTITY, max_length=32, description="CPU (a Kubernetes quantity, e.g. 8 or 500m).")
-    memory: str = Field("8Gi", pattern=QUANTITY, max_length=32, description="Memory (a Kubernetes quantity, e.g. 64Gi).")
+    cpu: Quantity = Field("2", description="CPU (a Kubernetes quantity, e.g. 8 or 500m).")
+    memory: Quantity = Field("8Gi", description="Memory (a Kubernetes quantity, e.g. 64Gi).")
     image: str | None = Field(
         None, max_length=512,
         description="Image override for this role (default: the operator's). Refused unless the operator allows "
         "overrides (ORBIT_ALLOW_IMAGE_OVERRIDE): a custom learner image would read the job's Secrets.",
     )  # fmt: skip
+
+    @field_validator("cpu")
+    @classmethod
+    def validate_cpu(cls, cpu: str) -> str:
+        from orbit_operator.quantity import parse_quantity
+
+        if parse_quantity(cpu) < 0:
+            raise ValueError(f"{cpu!r} is negative")
+        return cpu
 
     @field_validator("memory")
     @classmethod
@@ -153,12 +187,19 @@ class RoleResources(Section):
 
 
 class PodResources(Section):
-    rollout: RoleResources = Field(default_factory=lambda: RoleResources(gpus=1, cpu="8", memory="64Gi"))
-    reference: RoleResources = Field(default_factory=lambda: RoleResources(gpus=0, cpu="2", memory="16Gi"))
-    learner: RoleResources = Field(default_factory=lambda: RoleResources(gpus=1, cpu="8", memory="64Gi"))
+    """The resources of the pod's containers (prepare-base's are fixed: 2 CPUs, 8Gi)."""
+
+    rollout: RoleResources = Field(default_factory=lambda: RoleResources(gpus=1, cpu="8", memory="64Gi"),
+                                   description="The rollout (vLLM) container.")  # fmt: skip
+    reference: RoleResources = Field(default_factory=lambda: RoleResources(gpus=0, cpu="2", memory="16Gi"),
+                                     description="The reference container (reference.mode: server only).")  # fmt: skip
+    learner: RoleResources = Field(default_factory=lambda: RoleResources(gpus=1, cpu="8", memory="64Gi"),
+                                   description="The learner container.")  # fmt: skip
 
 
 class ClusterCheckpointSpec(CheckpointSpec):
+    """Where and when the learner checkpoints; in a cluster, to object storage (checkpoint.uri: s3://...)."""
+
     credentialsSecret: str | None = Field(
         None, pattern=DNS_LABEL, max_length=253,
         description="Secret with AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (and optionally AWS_ENDPOINT_URL), "
@@ -176,20 +217,24 @@ def _check_labels(values: dict[str, str], field: str) -> dict[str, str]:
 class RLTrainingJobSpec(JobSpec):
     """`RLTrainingJob.spec`. model has no path: the base is `base`, mounted into the pod."""
 
-    model: ModelSettings = Field(default_factory=ModelSettings)  # type: ignore[assignment]
-    checkpoint: ClusterCheckpointSpec = Field(default_factory=ClusterCheckpointSpec)  # type: ignore[assignment]
+    model: ModelSettings = Field(default_factory=ModelSettings, description="How the base is computed with.")  # type: ignore[assignment]
+    checkpoint: ClusterCheckpointSpec = Field(  # type: ignore[assignment]
+        default_factory=ClusterCheckpointSpec, description=ClusterCheckpointSpec.__doc__
+    )
     base: BaseSource = Field(description="Where the INT4 base comes from.")
-    resources: PodResources = Field(default_factory=PodResources)
-    nodeSelector: dict[str, str] = Field(default_factory=dict)
-    tolerations: list[dict[str, Any]] = Field(default_factory=list, description="Pod tolerations (core/v1 Toleration).")
-    affinity: dict[str, Any] | None = Field(None, description="Pod affinity (core/v1 Affinity).")
-    priorityClassName: str | None = Field(None, pattern=DNS_LABEL, max_length=253)
+    resources: PodResources = Field(default_factory=PodResources, description="The containers' CPU, memory, GPUs and images.")
+    nodeSelector: dict[str, str] = Field(default_factory=dict, description="The pod's nodeSelector (node labels).")
+    tolerations: list[Annotated[dict[str, Any], AsDict(Toleration)]] = Field(
+        default_factory=list, description="Pod tolerations (core/v1 Toleration)."
+    )
+    affinity: Annotated[dict[str, Any], AsDict(Affinity)] | None = Field(None, description="Pod affinity (core/v1 Affinity).")
+    priorityClassName: str | None = Field(None, pattern=DNS_LABEL, max_length=253, description="The pod's priorityClassName.")
     suspend: bool = Field(False, description="true: delete the pod and keep the status; false again: resume.")
     backoffLimit: int = Field(3, ge=0, le=100, description="Pod failures retried (with exponential backoff) before Failed.")
     activeDeadlineSeconds: int | None = Field(None, ge=1, description="Fail the job after this long running.")
     ttlSecondsAfterFinished: int | None = Field(None, ge=0, description="Delete the job this long after it finished.")
     restartId: str = Field("", max_length=63, description="Changing it restarts the pod (resuming from the last checkpoint).")
-    podLabels: dict[str, str] = Field(default_factory=dict, description="Added to the pod (e.g. kueue.x-k8s.io/queue-name).")
+    podLabels: dict[str, str] = Field(default_factory=dict, description="Added to the pod (Kueue's queue label goes on the job).")
     podAnnotations: dict[str, str] = Field(default_factory=dict, description="Added to the pod.")
 
     @field_validator("podLabels")

@@ -40,7 +40,7 @@ class ModelSpec(ModelSettings):
 class AlgorithmSpec(Section):
     """GRPO with the options verl and TRL users expect."""
 
-    name: Literal["grpo"] = "grpo"
+    name: Literal["grpo"] = Field("grpo", description="The algorithm: grpo (the only one).")
     loss_aggregation: Literal["token_mean", "sequence_mean", "token_sum_norm"] = Field(
         "token_mean",
         description=(
@@ -105,16 +105,20 @@ class AlgorithmSpec(Section):
 class SyntheticArithmeticData(Section):
     """Generated `a op b` problems; the answer is checked exactly."""
 
-    type: Literal["synthetic_arithmetic"] = "synthetic_arithmetic"
-    operations: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+"], min_length=1)
-    min_value: int = 0
+    type: Literal["synthetic_arithmetic"] = Field(
+        "synthetic_arithmetic", description="synthetic_arithmetic, jsonl or parquet: which kind of data (and fields) this is."
+    )
+    operations: list[Literal["+", "-", "*"]] = Field(
+        default_factory=lambda: ["+"], min_length=1, description="Operators drawn from (+, -, *)."
+    )
+    min_value: int = Field(0, description="Operands are drawn from [min_value, max_value].")
     max_value: int = Field(9, description="Operands are drawn from [min_value, max_value].")
     right_values: list[int] | None = Field(
         None, min_length=1, description="If set, the right operand takes only these values (e.g. [10] for 'n*10')."
     )
-    train_size: int = Field(2000, ge=1)
-    validation_size: int = Field(64, ge=1)
-    seed: int = 0
+    train_size: int = Field(2000, ge=1, description="Training problems generated.")
+    validation_size: int = Field(64, ge=1, description="Held-out problems (or rows).")
+    seed: int = Field(0, description="Seed of the generated problems.")
     template: str = Field("What is {question}?", description="Prompt text; {question} is replaced by e.g. '3+4'.")
 
     @model_validator(mode="after")
@@ -127,12 +131,12 @@ class SyntheticArithmeticData(Section):
 class FileData(Section):
     """Prompts from a local JSONL or Parquet file."""
 
-    type: Literal["jsonl", "parquet"]
-    path: str
+    type: Literal["jsonl", "parquet"] = Field(description="The file's format.")
+    path: str = Field(description="The prompts file (in a cluster: relative to the base's PVC).")
     validation_path: str | None = Field(None, description="Held-out prompts; default: the last validation_size rows of path.")
-    validation_size: int = Field(64, ge=1)
-    prompt_field: str = "prompt"
-    answer_field: str = "answer"
+    validation_size: int = Field(64, ge=1, description="Held-out problems (or rows).")
+    prompt_field: str = Field("prompt", description="The row's field holding the prompt.")
+    answer_field: str = Field("answer", description="The row's field holding the reference answer.")
     template: str | None = Field(None, description="Python format string over the row's fields; default: the prompt field as is.")
 
 
@@ -143,8 +147,8 @@ class RewardSpec(Section):
     """One reward function: a built-in name or a dotted path `package.module:function`."""
 
     function: str = Field(description="Built-in (exact_match, boxed_format, regex) or 'module.path:callable'.")
-    weight: float = 1.0
-    kwargs: dict[str, Any] = Field(default_factory=dict)
+    weight: float = Field(1.0, description="Its weight in the summed reward.")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments passed to the function.")
     max_error_fraction: float = Field(
         0.5, ge=0, le=1, description="Fail the step (naming this reward) when more than this share of a step's samples "
         "raise in it; below it a failed sample scores 0 and is counted (orbit_learner_reward_errors_total)."
@@ -152,9 +156,11 @@ class RewardSpec(Section):
 
 
 class RolloutSpec(Section):
+    """Sampling (vLLM): group size, prompts per step, lengths, and vLLM's GPU settings."""
+
     group_size: int = Field(8, ge=2, description="Completions sampled per prompt (the GRPO group).")
-    prompts_per_step: int = Field(16, ge=1)
-    max_tokens: int = Field(16, ge=1)
+    prompts_per_step: int = Field(16, ge=1, description="Prompts per RL step (each sampled group_size times).")
+    max_tokens: int = Field(16, ge=1, description="Most tokens per completion.")
     temperature: float = Field(
         1.0, gt=0, description="Sampling temperature. The learner scores tokens at the same temperature (logits / T), "
         "so the gradient is for the distribution that was sampled."
@@ -170,7 +176,7 @@ class RolloutSpec(Section):
     truncated_reward: float = Field(0.0, description="The reward of a truncated completion when truncated is 'reward'.")
     use_chat_template: bool = Field(True, description="Wrap prompts with the tokenizer's chat template.")
     kv_cache_gib: int = Field(1, ge=1, description="vLLM CPU KV cache (VLLM_CPU_KVCACHE_SPACE).")
-    max_model_len: int = Field(512, ge=32)
+    max_model_len: int = Field(512, ge=32, description="vLLM's context length (prompt + completion).")
     max_restarts: int = Field(2, ge=0, description="Times a dead rollout server is restarted before the run stops.")
     # vLLM's GPU settings, passed as its flags; null leaves vLLM's own default
     gpu_memory_utilization: float | None = Field(
@@ -201,6 +207,8 @@ class RolloutSpec(Section):
 
 
 class ReferenceSpec(Section):
+    """The reference policy (for the KL penalty): where it is computed."""
+
     mode: Literal["shared", "server"] = Field(
         "shared", description="shared: the learner's own base with the adapter disabled; server: a separate HTTP process."
     )
@@ -211,16 +219,16 @@ class ScheduleSpec(Section):
     """Optimisation schedule. The LR schedule advances once per RL step (one rollout batch),
     whatever algorithm.epochs_per_batch is: warm-up and decay are counted in RL steps."""
 
-    steps: int = Field(100, ge=1)
-    learning_rate: float = Field(1e-4, gt=0)
-    warmup_steps: int = Field(0, ge=0)
+    steps: int = Field(100, ge=1, description="RL steps of the run.")
+    learning_rate: float = Field(1e-4, gt=0, description="Peak learning rate (AdamW).")
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps.")
     lr_schedule: Literal["constant", "linear", "cosine"] = Field(
         "constant", description="After warm-up: constant, or linear/cosine decay to min_lr_ratio at schedule.steps."
     )
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final LR as a fraction of learning_rate (linear/cosine).")
-    weight_decay: float = Field(0.0, ge=0)
-    max_grad_norm: float = Field(1.0, gt=0)
-    seed: int = 0
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient norm clip.")
+    seed: int = Field(0, description="Seed of torch (the adapter's initialisation), prompt order and sampling.")
 
 
 # The largest base-model noise floor a dtype's canary accepts: above it learner and rollout do not
@@ -229,6 +237,8 @@ NOISE_FLOOR_CEILING = {"bf16": 0.1, "fp16": 0.02}
 
 
 class SyncSpec(Section):
+    """How each adapter update reaches vLLM and is verified (the canary)."""
+
     canary_sequences: int = Field(4, ge=1, description="Fixed sequences scored by both engines after every sync.")
     tolerance: float | None = Field(
         None, gt=0, description="Max mean |dlogp| on the canary. Default: calibrated from the noise floor measured when "
@@ -258,6 +268,8 @@ class SyncSpec(Section):
 
 
 class EvalSpec(Section):
+    """Held-out evaluation."""
+
     every_steps: int = Field(10, ge=1, description="Held-out evaluation every N steps (and at start and end).")
     samples: int = Field(
         1, ge=1, description="Completions per held-out prompt. 1: greedy (temperature 0). More: sampled at "
@@ -317,6 +329,8 @@ class MetricsSpec(Section):
 
 
 class RunSpec(Section):
+    """The run's name and files."""
+
     name: str = Field("orbit", pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", description="Run name (DNS label).")
     output_dir: str = Field("runs", description="Runs are written to <output_dir>/<name>/.")
     log_samples: int = Field(
@@ -332,8 +346,12 @@ class JobSpec(Section):
     adapter: AdapterSpec = Field(default_factory=AdapterSpec)
     learner: LearnerSpec = Field(default_factory=LearnerSpec)
     algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
-    data: DataSpec = Field(default_factory=SyntheticArithmeticData)
-    rewards: list[RewardSpec] = Field(default_factory=lambda: [RewardSpec(function="exact_match")], min_length=1)
+    data: DataSpec = Field(
+        default_factory=SyntheticArithmeticData, description="The prompts: synthetic arithmetic, or a JSONL/Parquet file."
+    )
+    rewards: list[RewardSpec] = Field(
+        default_factory=lambda: [RewardSpec(function="exact_match")], min_length=1, description="The reward functions, summed by weight."
+    )
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)
     reference: ReferenceSpec = Field(default_factory=ReferenceSpec)
     schedule: ScheduleSpec = Field(default_factory=ScheduleSpec)
