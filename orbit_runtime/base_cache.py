@@ -1,25 +1,53 @@
-"""The node's base cache: `orbit prepare-base` puts a job's INT4 base into it, once.
+"""The node's base cache: `orbit prepare-base` puts a job's INT4 base into it, once per source content.
 
 A cache directory (the operator names it; the pod's init container sees only it) holds:
 
     model/          the INT4 base, with its orbit-base.json (content digest): what the roles mount
-    prepared.json   every preparation: what was done (quantized, copied, verified), how long it took
-    .lock           held while preparing, so two pods on one node wait for one writer
+    model/.orbit-source.json  what it was built from: format, group size, the source's fingerprint
+    prepared.json   every preparation: what was done (quantized, copied, verified) and why, how long it took
+    last-used       touched by every prepare-base (every pod start): `orbit cache-cleanup`'s LRU clock
+    .lock           held while preparing (or evicting), so two pods on one node wait for one writer
     .tmp-*          a copy being written (renamed to model/ when complete; stale ones are removed)
+    .old-<t>-*      a base replaced at unix time t because its source changed (removed by cache-cleanup,
+                    and by prepare-base once no role holds it and it is RETIRED_GRACE_S old)
 
-Idempotent: an existing complete `model/` is verified against its digest (stat and small-file
-hashes), never rebuilt. Atomic: the base is written under `.tmp-*` and renamed into place, so a
-pod killed mid-write leaves no half base that a later pod would trust. Sources: a Hugging
-Face-format checkpoint (quantized here) or an INT4 base (`orbit quantize` output, copied and
-verified), from a directory or an s3:// prefix (credentials from the environment).
+Keyed by content: the directory's name says which source (namespace + URI or PVC), and an
+existing `model/` is reused only if the fingerprint recorded with it equals the source's current
+one (orbit_runtime.base_source: ETags and sizes of the s3:// objects at the resolved endpoint, or
+the files' sizes and mtimes of a directory) and it verifies against its digest (stat and
+small-file hashes). Otherwise the base is built again; a rebuild that yields the same digest
+keeps the existing `model/` (only its fingerprint is updated): nothing is swapped or set aside.
+A base from before fingerprints (no record) is rebuilt once: nothing says it matches its
+source, and trusting it would stamp a possibly stale base as current for good. When the source
+cannot be read for a reason that may pass (S3 unreachable, throttling, a 5xx; the checkpoint
+deleted after it was prepared) an existing base is reused as it was, with the reason in the
+result: it is what the job used before, and nothing could be built instead. When the source
+refuses (AccessDenied, InvalidAccessKeyId, SignatureDoesNotMatch, NoSuchBucket, no
+credentials) prepare-base fails: with those credentials the job may not read that base.
+
+Atomic: the base is written under `.tmp-*` (its fingerprint inside it) and exchanged with
+`model/` in one step (orbit_runtime.base_lease.exchange), so a pod killed mid-write leaves no half
+base that a later pod would trust. The replaced base is then renamed to `.old-<t>-*`, not deleted:
+a running pod of another job bind-mounted the old `model/` (its subPath mount holds the
+directory's inode, not its name), so its roles keep reading the old files. A role of that pod
+that restarts in place would get the new `model/` (the kubelet resolves the subPath again): it
+refuses to start instead (base_lease.check_base_identity, against the digest this command
+writes to --base-id), so the pod fails and is replaced rather than run on two bases.
+
+Leases (base_lease.hold_base_lease): every role holds a shared flock on the `model/` it mounted for
+as long as it runs; the lock follows the inode through a rename. A `.old-*` is removed (by
+cache-cleanup, or here) only when nobody holds it.
+
+Sources: a Hugging Face-format checkpoint (quantized here) or an INT4 base (`orbit quantize`
+output, copied and verified), from a directory or an s3:// prefix (credentials from the environment).
 """
-
 from __future__ import annotations
 
 import errno
 import fcntl
 import json
 import os
+import secrets
 import shutil
 import tempfile
 import time
@@ -28,12 +56,20 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
+from orbit_runtime.base_lease import exchange, unleased
+from orbit_runtime.base_source import SourceUnreadable, source_fingerprint
 from orbit_runtime.errors import OrbitError
 from orbit_runtime.int4.base_digest import MANIFEST, read_base_digest, write_base_manifest
 
 MODEL = "model"
 HISTORY = "prepared.json"
 LOCK = ".lock"
+SOURCE_RECORD = ".orbit-source.json"  # inside model/ (hidden: not part of the base's digest), so it moves with it
+LAST_USED = "last-used"
+RETIRED_PREFIX = ".old-"
+# a `.old-*` younger than this is left to cache-cleanup: a pod whose roles are starting may have mounted it just
+# before the swap and not yet taken its lease
+RETIRED_GRACE_S = 600.0
 
 
 @dataclass
@@ -46,6 +82,7 @@ class PrepareResult:
     source: str | None
     format: str
     at: float  # unix time
+    reason: str = ""  # why this action: "new", "source unchanged", "source changed", ...
 
     @property
     def reused(self) -> bool:
@@ -106,7 +143,7 @@ def base_model_config(cache: Path, source: str | None) -> dict:
 
     path = Path(cache) / MODEL / "config.json"
     with tmp.TemporaryDirectory(prefix="orbit-config-") as scratch:
-        if not path.is_file() and source is not None:
+        if source is not None and (not path.is_file() or _stale(Path(cache) / MODEL, source)):  # a changed source: its own
             if source.startswith("s3://"):
                 from orbit_runtime.checkpoint.storage import StorageError, open_store
 
@@ -123,6 +160,14 @@ def base_model_config(cache: Path, source: str | None) -> dict:
             raise OrbitError(f"{path}: no config.json to plan the job with") from None
         except ValueError as exc:
             raise OrbitError(f"{path}: not valid JSON ({exc})") from None
+
+
+def _stale(model: Path, source: str) -> bool:
+    """Whether the base in MODEL was built from other content than SOURCE has now (unknown: not stale)."""
+    try:
+        return (_recorded(model) or {}).get("source") != source_fingerprint(source)
+    except OrbitError:
+        return False
 
 
 def _copy_int4(src: Path, dst: Path) -> None:
@@ -155,9 +200,117 @@ def _record(cache: Path, result: PrepareResult) -> None:
     os.replace(tmp, path)
 
 
+def build_record(fmt: str, source: str, group_size: int) -> dict:
+    """What a base of SOURCE prepared with FMT (and GROUP_SIZE, for hf) is built from; OrbitError if
+    the source cannot be read."""
+    return {"format": fmt, "groupSize": group_size if fmt == "hf" else None, "source": source_fingerprint(source)}
+
+
+def _recorded(model: Path) -> dict | None:
+    try:
+        return json.loads((model / SOURCE_RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _build(cache: Path, fmt: Literal["hf", "int4"], source: str, group_size: int, wanted: dict) -> tuple[str, str, bool]:
+    """Build the base of SOURCE under .tmp-* and swap it in as CACHE/model (the old one renamed to .old-*),
+    unless it has the digest of the base already there: that one then stays, with the new fingerprint.
+    (action, digest, whether model/ was replaced)."""
+    model = cache / MODEL
+    scratch = Path(tempfile.mkdtemp(prefix=".tmp-", dir=cache))
+    try:
+        src = _fetch_source(source, scratch / "download")
+        staging = scratch / MODEL
+        if fmt == "hf":
+            from orbit_runtime.int4.quantize import quantize_checkpoint
+            from orbit_runtime.int4.schemes import W4A16Int
+
+            quantize_checkpoint(src, staging, W4A16Int(group_size=group_size))
+            action = "quantized"
+        else:
+            _copy_int4(src, staging)
+            action = "copied"
+        digest = read_base_digest(staging, verify="quick")
+        if build_record(fmt, source, group_size) != wanted:  # one more listing: the base is what the record says
+            raise OrbitError(f"{source}: the source changed while the base was being prepared; the next attempt prepares it again")
+        if _current_digest(model) == digest:  # the same base (a re-upload of the same bytes, a legacy base): no swap
+            _write_record(model, wanted)
+            return action, digest, False
+        _write_record(staging, wanted)
+        if not model.exists():
+            os.rename(staging, model)  # atomic: model/ appears complete or not at all
+        else:  # the old one aside, not deleted: running pods of other jobs still read it (module docstring)
+            retired = cache / f"{RETIRED_PREFIX}{int(time.time())}-{secrets.token_hex(4)}"
+            if exchange(staging, model):  # one step: model/ is never missing
+                os.rename(staging, retired)
+            else:
+                os.rename(model, retired)
+                os.rename(staging, model)
+        dir_fd = os.open(cache, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return action, digest, True
+
+
+def _current_digest(model: Path) -> str | None:
+    """The digest of the base in MODEL if it is intact (quick verification), else None."""
+    if model.is_symlink() or not (model / MANIFEST).is_file():
+        return None
+    try:
+        return read_base_digest(model, verify="quick")
+    except OrbitError:
+        return None
+
+
+def _write_record(model: Path, record: dict) -> None:
+    """What MODEL was built from (SOURCE_RECORD, hidden: not part of the base's digest), replaced atomically."""
+    tmp = model / f"{SOURCE_RECORD}.tmp"
+    tmp.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, model / SOURCE_RECORD)
+
+
+def _remove_retired(cache: Path, now: float) -> list[str]:
+    """Remove CACHE's `.old-*` copies that no role holds and that were set aside over RETIRED_GRACE_S ago
+    (so they do not pile up when no cache limit is set); the names removed. Called under the lock."""
+    removed = []
+    for old in sorted(cache.glob(f"{RETIRED_PREFIX}*")):
+        if old.is_symlink() or not old.is_dir() or now - retired_time(old) < RETIRED_GRACE_S:
+            continue
+        try:
+            fd = unleased(old)
+        except OSError:
+            continue
+        if fd is None:
+            continue  # a running pod's role still reads it
+        try:
+            shutil.rmtree(old)
+            removed.append(old.name)
+        except OSError:
+            pass  # cache-cleanup tries again
+        finally:
+            os.close(fd)
+    return removed
+
+
+def retired_time(old: Path) -> float:
+    """The unix time in a `.old-<t>-<random>` name, else its mtime."""
+    stamp = old.name[len(RETIRED_PREFIX) :].split("-", 1)[0]
+    if stamp.isdigit():
+        return float(stamp)
+    try:
+        return old.stat().st_mtime
+    except OSError:
+        return time.time()
+
+
 def prepare_base(cache: Path, fmt: Literal["hf", "int4"], source: str | None, group_size: int = 128,
                  lock_timeout_s: float = 6 * 3600) -> PrepareResult:  # fmt: skip
-    """Make CACHE/model the verified INT4 base of SOURCE (see the module docstring)."""
+    """Make CACHE/model the verified INT4 base of SOURCE's current content (see the module docstring)."""
     cache = Path(cache)
     if not cache.is_dir():
         raise OrbitError(f"{cache}: the cache directory does not exist (the pod mounts it)")
@@ -169,41 +322,51 @@ def prepare_base(cache: Path, fmt: Literal["hf", "int4"], source: str | None, gr
                 raise OrbitError(f"{model}: no base here, and no source to build it from (a nodeCache base is placed by an administrator)")
             digest = read_base_digest(model, verify="quick")
         return PrepareResult(str(model), digest, "verified", round(time.monotonic() - started, 3), round(waited, 3), None, fmt,
-                             time.time())  # fmt: skip
+                             time.time(), "an administrator's base")  # fmt: skip
     try:
         with cache_lock(cache, lock_timeout_s) as waited:
             for stale in cache.glob(".tmp-*"):  # left by a pod killed mid-write (we hold the lock)
                 shutil.rmtree(stale, ignore_errors=True)
+            (cache / LAST_USED).touch()  # cache-cleanup's LRU clock (under the lock: it re-reads it under the lock too)
+            if model.is_symlink():
+                raise OrbitError(f"{model}: a symbolic link (not written by prepare-base); remove it")
+            if model.is_dir() and not any(model.iterdir()):
+                model.rmdir()  # the kubelet's empty mount point: a role restarted in place after cache-cleanup evicted it
+            try:
+                wanted, unreadable = build_record(fmt, source, group_size), None
+            except SourceUnreadable as exc:
+                if not exc.reusable:  # refused (credentials, endpoint, bucket): the base here may be another source's
+                    raise
+                wanted, unreadable = None, str(exc)
+            action: Literal["quantized", "copied", "verified"] = "verified"
             if (model / MANIFEST).is_file():
-                action: Literal["quantized", "copied", "verified"] = "verified"
-                digest = read_base_digest(model, verify="quick")
+                recorded, reuse = _recorded(model), False
+                if wanted is None:
+                    reason, reuse = f"source not checked ({unreadable}): reused the base prepared from it before", True
+                elif recorded == wanted:
+                    reason, reuse = "source unchanged", True
+                elif recorded is None:
+                    reason = "no source fingerprint recorded (a base from before fingerprints): rebuilt once"
+                elif recorded.get("source") != wanted["source"]:
+                    reason = f"source changed: {_change(recorded, wanted)}"
+                else:
+                    reason = "format or group size changed"
+                if reuse:
+                    digest = read_base_digest(model, verify="quick")
+                else:
+                    action, digest, swapped = _build(cache, fmt, source, group_size, wanted)  # type: ignore[arg-type]
+                    reason += "" if swapped else "; the same base as before (same digest): kept in place"
             else:
                 if model.exists():
                     raise OrbitError(f"{model}: a base without {MANIFEST} (not written by prepare-base); remove it")
-                scratch = Path(tempfile.mkdtemp(prefix=".tmp-", dir=cache))
-                try:
-                    src = _fetch_source(source, scratch / "download")
-                    staging = scratch / MODEL
-                    if fmt == "hf":
-                        from orbit_runtime.int4.quantize import quantize_checkpoint
-                        from orbit_runtime.int4.schemes import W4A16Int
-
-                        quantize_checkpoint(src, staging, W4A16Int(group_size=group_size))
-                        action = "quantized"
-                    else:
-                        _copy_int4(src, staging)
-                        action = "copied"
-                    digest = read_base_digest(staging, verify="quick")
-                    os.rename(staging, model)  # atomic: model/ appears complete or not at all
-                    dir_fd = os.open(cache, os.O_RDONLY)
-                    try:
-                        os.fsync(dir_fd)
-                    finally:
-                        os.close(dir_fd)
-                finally:
-                    shutil.rmtree(scratch, ignore_errors=True)
+                if wanted is None:
+                    raise OrbitError(unreadable)
+                reason = "new"
+                action, digest, _ = _build(cache, fmt, source, group_size, wanted)  # type: ignore[assignment]
+            if removed := _remove_retired(cache, time.time()):
+                reason += f"; removed {len(removed)} replaced base(s) no pod uses"
             result = PrepareResult(str(model), digest, action, round(time.monotonic() - started, 3), round(waited, 3),
-                                   source, fmt, time.time())  # fmt: skip
+                                   source, fmt, time.time(), reason)  # fmt: skip
             _record(cache, result)
             return result
     except OSError as exc:
@@ -213,3 +376,14 @@ def prepare_base(cache: Path, fmt: Literal["hf", "int4"], source: str | None, gr
             raise OrbitError(f"{cache}: cannot write the cache ({exc.strerror}: {exc.filename}); the cache root must be "
                              "writable by the pod's user") from None  # fmt: skip
         raise
+
+
+def _change(recorded: dict, wanted: dict) -> str:
+    """In words, what differs between two source fingerprints (for the prepare result)."""
+    old, new = recorded.get("source") or {}, wanted["source"]
+    if old.get("endpoint") != new.get("endpoint"):
+        return f"endpoint changed (its hash {old.get('endpoint')} -> {new.get('endpoint')})"
+    entries = "objects" if new["kind"] == "s3" else "files"
+    before, after = {e[0]: e for e in old.get(entries) or []}, {e[0]: e for e in new.get(entries) or []}
+    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    return f"{len(changed)} file(s) differ ({', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''})"

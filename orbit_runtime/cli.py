@@ -24,7 +24,9 @@ console = Console(stderr=True, soft_wrap=True)  # an error stays one line, whate
 
 
 def _fail(exc: Exception) -> None:
-    console.print(f"[bold red]error:[/] {exc}")
+    from orbit_runtime.redaction import redact
+
+    console.print(f"[bold red]error:[/] {redact(str(exc))}", markup=True, highlight=False)
     raise typer.Exit(code=2)
 
 
@@ -300,6 +302,8 @@ def prepare_base_command(
                                               "cannot fit (the job's first start).")] = False,
     termination_log: Annotated[Path | None, typer.Option(help="Write the plan's verdict here as JSON (the pod's "
                                                          "terminationMessagePath).")] = None,
+    base_id: Annotated[Path | None, typer.Option(help="Write the prepared base's digest here (the pod's base-id volume: "
+                                                 "its roles refuse to start on another base).")] = None,
 ) -> None:
     """Put the INT4 base into the node cache once: verify it if it is there, else quantize or copy it
     (atomic, under a lock shared by every pod on the node). The pod's init container."""
@@ -319,10 +323,43 @@ def prepare_base_command(
         console.print(f"[bold red]error:[/] {exc}")
         raise typer.Exit(code=1) from None
     verb = {"verified": "reused (verified)", "quantized": "quantized", "copied": "copied and verified"}[result.action]
-    console.print(f"base {verb} in {result.seconds:.1f}s (waited {result.waited_for_lock_s:.1f}s for the lock): digest {result.digest}")
-    if report is not None:
-        write_termination_log(termination_log, {"plan": report["summary"]})
+    console.print(f"base {verb} ({result.reason}) in {result.seconds:.1f}s (waited {result.waited_for_lock_s:.1f}s for the lock): "
+                  f"digest {result.digest}")  # fmt: skip
+    base = f"{result.action} ({result.reason}): {result.digest}"  # e.g. "quantized (source changed: ...): sha256:..."
+    if base_id is not None:
+        from orbit_runtime.base_lease import write_base_id
+
+        write_base_id(base_id, result.digest)
+    write_termination_log(termination_log, {**({"plan": report["summary"]} if report is not None else {}), "base": base})
     typer.echo(result.path)
+
+
+@app.command("cache-cleanup")
+def cache_cleanup_command(
+    root: Annotated[Path, typer.Option(help="The node cache root (the pod mounts all of it).")],
+    max_bytes: Annotated[int, typer.Option(help="Evict least recently used bases until the cache is at most this size.")],
+    keep: Annotated[str | None, typer.Option(help="This pod's base directory (relative to --root): never evicted.")] = None,
+    min_idle_seconds: Annotated[float, typer.Option(help="Never evict a base a pod started on more recently than this.")] = 6 * 3600,
+    termination_log: Annotated[Path | None, typer.Option(help="Write the result here as JSON (the pod's terminationMessagePath).")] = None,
+) -> None:  # fmt: skip
+    """Keep the node's base cache under --max-bytes: remove replaced bases, then the least recently used
+    ones, never a base in use, being prepared, kept, or an administrator's. The pod's first init container."""
+    from orbit_runtime.cache_cleanup import cleanup
+
+    try:
+        result = cleanup(root, max_bytes, keep, min_idle_seconds)
+    except Exception as exc:  # best effort: a cleanup that cannot run (or a bug in it) never fails the job's pod
+        if not isinstance(exc, OrbitError):
+            import traceback
+
+            traceback.print_exc()  # to the container's log: a bug is seen, the pod still starts
+        why = str(exc) if isinstance(exc, OrbitError) else f"{type(exc).__name__}: {exc}"
+        console.print(f"[bold yellow]warning:[/] cache-cleanup did nothing: {why}", markup=True, highlight=False)
+        write_termination_log(termination_log, {"cleanup": f"did nothing: {why}"})
+        return
+    console.print(result.summary())
+    write_termination_log(termination_log, {"cleanup": result.summary(), "freedBytes": result.freed_bytes,
+                                            "evicted": len(result.evicted), "remainingBytes": result.remaining_bytes})  # fmt: skip
 
 
 @app.command()

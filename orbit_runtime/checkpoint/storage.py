@@ -26,7 +26,29 @@ from orbit_runtime.redaction import redact
 
 
 class StorageError(RuntimeError):
-    """Storage could not be reached or refused a request (after retries). Safe to log: redacted."""
+    """Storage could not be reached or refused a request (after retries). Safe to log: redacted.
+    TRANSIENT: the failure may pass by itself (a connection error, throttling, a 5xx), as opposed to a
+    refusal that will not (AccessDenied, InvalidAccessKeyId, NoSuchBucket, no credentials)."""
+
+    def __init__(self, message: str, transient: bool = False) -> None:
+        super().__init__(message)
+        self.transient = transient
+
+
+# S3 error codes that say "later", not "no" (throttling and the service's own failures)
+TRANSIENT_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequests",
+                             "RequestTimeout", "RequestTimeoutException", "ServiceUnavailable", "InternalError"})  # fmt: skip
+
+
+def transient_error(exc: Exception) -> bool:
+    """Whether a boto3 exception may pass by itself: a connection or timeout error, throttling, a 5xx."""
+    from botocore.exceptions import ClientError, HTTPClientError
+    from botocore.exceptions import ConnectionError as BotoConnectionError
+
+    if isinstance(exc, ClientError):
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+        return exc.response.get("Error", {}).get("Code") in TRANSIENT_CODES or status >= 500 or status == 429
+    return isinstance(exc, BotoConnectionError | HTTPClientError)
 
 
 class ObjectNotFound(StorageError):
@@ -37,6 +59,7 @@ class ObjectNotFound(StorageError):
 class ObjectInfo:
     key: str  # relative to the store's prefix
     size: int
+    etag: str | None = None  # S3's ETag (None for a file store): changes when the object is re-uploaded
 
 
 class ObjectStore(Protocol):
@@ -159,6 +182,11 @@ class S3Store:
         )
         self._s3 = boto3.session.Session().client("s3", config=config)
 
+    @property
+    def endpoint(self) -> str:
+        """The endpoint URL boto3 resolved (AWS_ENDPOINT_URL, a config file, or the region's AWS endpoint)."""
+        return str(self._s3.meta.endpoint_url)
+
     def _key(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key
 
@@ -167,7 +195,8 @@ class S3Store:
 
         if isinstance(exc, ClientError) and exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404", "NotFound"):
             return ObjectNotFound(f"{self.uri}/{key}: not found")
-        return StorageError(redact(f"{self.uri}: {action} {key or '(prefix)'} failed: {type(exc).__name__}: {exc}"))
+        return StorageError(redact(f"{self.uri}: {action} {key or '(prefix)'} failed: {type(exc).__name__}: {exc}"),
+                            transient=transient_error(exc))  # fmt: skip
 
     def put_file(self, key: str, path: Path) -> None:
         try:
@@ -199,7 +228,7 @@ class S3Store:
         try:
             for page in self._s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base + prefix):
                 for item in page.get("Contents", []):
-                    out.append(ObjectInfo(item["Key"][len(base) :], item["Size"]))
+                    out.append(ObjectInfo(item["Key"][len(base) :], item["Size"], item.get("ETag") or None))
         except Exception as exc:
             raise self._error("list", prefix, exc) from None
         return out

@@ -133,7 +133,8 @@ def test_prepare_base_refuses_a_pod_that_cannot_fit_before_preparing_anything(tm
     assert allowed.exit_code == 0 and (cache / "model" / "config.json").is_file(), allowed.output
     assert json.loads(message.read_text())["plan"].startswith("does not fit")
     fits = orbit(*args, "--plan", cpu_plan(tmp_path, "4Gi"), "--enforce-fit")
-    assert fits.exit_code == 0 and json.loads(message.read_text()) == {"plan": json.loads(message.read_text())["plan"]}
+    assert fits.exit_code == 0 and set(json.loads(message.read_text())) == {"plan", "base"}  # no reason: it fits
+    assert json.loads(message.read_text())["base"].startswith("verified (source unchanged): sha256:")
     assert json.loads(message.read_text())["plan"].startswith("fits: rollout ")
 
 
