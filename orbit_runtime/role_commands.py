@@ -21,7 +21,9 @@ from typing import Annotated
 
 import typer
 
+from orbit_runtime.base_lease import enter_base
 from orbit_runtime.errors import OrbitError
+from orbit_runtime.redaction import mask_all, redact, secret_values
 
 ConfigArg = Annotated[Path, typer.Argument(help="Job config (the pod's ConfigMap, /etc/orbit/job.yaml).")]
 
@@ -51,6 +53,7 @@ def register(app: typer.Typer, fail, configure_logging) -> None:
         server.host = host
         if not (Path(server.model_dir) / "config.json").is_file():
             fail(OrbitError(f"{server.model_dir}: not a model directory (no config.json); did prepare-base run?"))
+        take_base(Path(server.model_dir), fail)  # the lease is inherited by vLLM: the node's cache-cleanup leaves the base alone
         command = server.command(port)
         os.execvpe(command[0], command, server.environment())
 
@@ -65,6 +68,7 @@ def register(app: typer.Typer, fail, configure_logging) -> None:
         from orbit_runtime.reference.server import main as reference_main
 
         spec = load(config)
+        take_base(Path(spec.model.path), fail)
         args = ["--model-dir", spec.model.path, "--dtype", spec.model.learner_dtype or spec.model.dtype, "--host", host,
                 "--port", str(port), "--device", device or spec.learner.device]  # fmt: skip
         if spec.learner.micro_batch_tokens is not None:
@@ -90,6 +94,7 @@ def register(app: typer.Typer, fail, configure_logging) -> None:
         from orbit_runtime.trainer.roles import ExternalRoles, RoleDied
 
         spec = load(config)
+        take_base(Path(spec.model.path), fail, termination_log)  # for the pod's whole life: its sidecars' restarts find the base
         if host is not None:
             spec.metrics.host = host
         rollout_url = rollout_url or http_url(host or "127.0.0.1", 8000)  # the pod's other containers: same IP
@@ -105,16 +110,33 @@ def register(app: typer.Typer, fail, configure_logging) -> None:
             write_termination_message(termination_log, trainer.status())
             fail(exc)
         except (OrbitError, SyncError, RoleDied) as exc:
-            fail(exc)  # no termination message: the pod's FallbackToLogsOnError shows this line
+            write_failure_message(termination_log, str(exc))  # redacted here, not the kubelet's copy of the log
+            fail(exc)
         except OSError as exc:
+            write_failure_message(termination_log, f"{type(exc).__name__}: {exc}")
             fail(OrbitError(f"{type(exc).__name__}: {exc}"))
         except KeyboardInterrupt as stop:
             if trainer is not None:
                 write_termination_message(termination_log, trainer.status())
             signum = stop.args[0] if stop.args and isinstance(stop.args[0], int) else 2
             raise typer.Exit(code=128 + signum) from None
+        except Exception as exc:  # a bug or an out-of-memory: the traceback goes to the log, its end (masked) here
+            import traceback
+
+            write_failure_message(termination_log, "".join(traceback.format_exception(exc))[-3000:])
+            raise
         write_termination_message(termination_log, trainer.status())
         typer.echo(json.dumps(summary))
+
+
+def take_base(model_dir: Path, fail, termination_log: Path | None = None) -> int | None:
+    """A role's first step: hold the lease on the base it mounted and check that it is the base this pod's
+    prepare-base prepared (orbit_runtime.base_lease.enter_base); one error line and exit otherwise."""
+    try:
+        return enter_base(model_dir)
+    except OrbitError as exc:
+        write_failure_message(termination_log, str(exc))
+        fail(exc)
 
 
 def http_url(host: str, port: int) -> str:
@@ -127,7 +149,18 @@ def write_termination_message(path: Path | None, status: dict) -> None:
     the file into the container's `state.terminated.message`, at most 4 KiB). Never fails the run."""
     if path is None:
         return
+    try:  # masked before it is dumped: JSON escapes would hide a value with quotes or non-ASCII characters
+        path.write_text(json.dumps(mask_all(status, secret_values()), separators=(",", ":"))[:4096])
+    except OSError as exc:
+        typer.echo(f"could not write the termination message {path}: {exc}", err=True)
+
+
+def write_failure_message(path: Path | None, message: str) -> None:
+    """Why the learner failed, redacted (every value of the job's Secrets, orbit_runtime.redaction), as the
+    termination message: the kubelet's fallback would otherwise copy the raw end of the log there."""
+    if path is None:
+        return
     try:
-        path.write_text(json.dumps(status, separators=(",", ":"))[:4096])
+        path.write_text(redact(f"error: {message}")[-4096:])
     except OSError as exc:
         typer.echo(f"could not write the termination message {path}: {exc}", err=True)

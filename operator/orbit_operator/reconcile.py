@@ -54,6 +54,7 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
+from orbit_operator import kueue
 from orbit_operator.decision import TIME_FORMAT, Decision, Plan, parse_time
 from orbit_operator.fit import admission_fit
 from orbit_operator.job_spec import RLTrainingJobSpec
@@ -89,8 +90,14 @@ def _may_start_again(d: Decision) -> bool:
     return failed.get("reason") in ("InvalidSpec", "DoesNotFit") and decided_at != d.view.generation
 
 
-def plan(observed: Observed, settings: OperatorSettings) -> Plan:  # noqa: C901 - one decision table, read top to bottom
+def plan(observed: Observed, settings: OperatorSettings) -> Plan:
     view = observe(observed)
+    member = kueue.membership(view, observed.job, settings.kueue)
+    view.queue = member.queue  # Kueue manages it (kueue.py)
+    return kueue.settle(_plan(view, observed, settings), view, observed.now, member)
+
+
+def _plan(view: JobView, observed: Observed, settings: OperatorSettings) -> Plan:  # noqa: C901 - one decision table, top to bottom
     d, now, life = Decision(view, observed.now), observed.now, view.lifecycle
     status, phase = d.status, d.status.get("phase")
 
@@ -104,7 +111,7 @@ def plan(observed: Observed, settings: OperatorSettings) -> Plan:  # noqa: C901 
 
     # the spec: always checked, needed only to build a pod from it
     check = validate_job(observed.job, f"RLTrainingJob {view.namespace}/{view.name}", settings.max_gpus_per_node,
-                         settings.allow_image_override)  # fmt: skip
+                         settings.allow_image_override, settings.pod_metadata_policy())  # fmt: skip
     spec: RLTrainingJobSpec | None = check.spec if check.ok else None
     invalid = "; ".join(check.errors)[:1000]
     if spec is None:
@@ -152,6 +159,11 @@ def plan(observed: Observed, settings: OperatorSettings) -> Plan:  # noqa: C901 
     status.update(attempt=attempt, failures=failures)
     pod_name = object_names(view.name, attempt)["pod"]
     pod = view.pod(pod_name)
+    done = next((p for p in view.owned if p is not pod and phase_of_pod(p) == "Succeeded"), None)
+    if done is not None:  # an earlier attempt's pod finished in its grace period (evicted, suspended, restarted): done
+        d.condition("Complete", True, "LearnerSucceeded", f"pod {done['metadata']['name']} finished")
+        d.condition("Ready", False, "Finished", "the job finished")
+        return d.finish("Succeeded", Plan(status, delete_pods=view.active), completionTime=d.stamp)
 
     if life.suspend:
         d.condition("Suspended", True, "Suspended", "spec.suspend is true")
@@ -217,6 +229,10 @@ def _new_pod_plan(d: Decision, view: JobView, use: RLTrainingJobSpec | None, pod
     attempt = status["attempt"]
     first_start = not status.get("startTime")  # only the job's first pod may refuse it for not fitting
     new_pod = build_pod(view.name, view.namespace, use, settings, attempt, enforce_fit=first_start)
+    if view.queue is not None:  # Kueue's: no pod before its Workload is admitted
+        new_pod = kueue.without_queue_label(new_pod)
+        if (queued := kueue.gate_new_pod(d, view, new_pod)) is not None:
+            return queued
     if phase == "Suspended" or first_start:
         status["startTime"] = d.stamp
     status["podName"] = pod_name
@@ -242,6 +258,9 @@ def _follow_pod(d: Decision, view: JobView, pod: dict, pod_name: str, settings: 
         reason, message = unready(pod) or ("PodTerminating", f"pod {pod_name} is terminating")  # not ready, not polled,
         d.condition("Ready", False, reason, message)  # no new pod until it is gone (its deletion is a pod event)
         return d.finish(phase or "Pending")
+    if view.queue is not None and pod_phase not in ("Succeeded", "Failed"):  # Kueue evicted (preempted) it: stop the pod
+        if (evicted := kueue.gate_running_pod(d, view, pod_name)) is not None:
+            return evicted
     if pod_phase == "Succeeded":  # what the pod did decides, even while it is being deleted
         d.condition("Complete", True, "LearnerSucceeded", f"pod {pod_name} finished")
         d.condition("Ready", False, "Finished", "the job finished")

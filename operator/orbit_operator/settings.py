@@ -18,6 +18,7 @@ from orbit_runtime.errors import OrbitError
 DEFAULT_CACHE_ROOT = "/var/lib/orbit/bases"
 RUNTIME_REPOSITORY = "ghcr.io/orbit-rl/orbit-runtime"
 RUNTIME_USER = 10001  # the runtime images' user (images/runtime*/Dockerfile)
+CACHE_MIN_IDLE_FLOOR_S = 300  # the least ORBIT_CACHE_MIN_IDLE_SECONDS (values.schema.json's cache.minIdleSeconds minimum too)
 
 
 def _version() -> str:
@@ -49,6 +50,20 @@ class OperatorSettings:
     node_gpu: str | None = None
     node_gpu_memory_gib: float | None = None
     extra_pod_env: dict[str, str] = field(default_factory=dict)
+    # the node cache's size limit (GiB): set, every pod's `cache-cleanup` init container evicts least recently used
+    # bases down to it, never one a pod started on within cache_min_idle_seconds; unset: no cleanup
+    cache_max_gib: float | None = None
+    cache_min_idle_seconds: float = 6 * 3600
+    kueue: bool = False  # the operator is Kueue's job-framework controller for RLTrainingJob (kueue.py)
+    # allowlists for what a job puts on its pod (validation.PodMetadataPolicy); empty: anything
+    allowed_priority_classes: tuple[str, ...] = ()
+    allowed_pod_labels: tuple[str, ...] = ()
+    allowed_pod_annotations: tuple[str, ...] = ()
+    # a NetworkPolicy per job (job_access.py): ingress only from the pod, the operator's pods and the monitoring namespace
+    network_policy: bool = False
+    operator_namespace: str = "orbit-system"  # where the operator runs (the chart: its release namespace)
+    operator_pod_labels: tuple[tuple[str, str], ...] = ()  # the operator pods' labels (the chart's selector labels)
+    monitoring_namespace: str | None = "monitoring"  # Prometheus' namespace; None: no scrapes allowed in
 
     def __post_init__(self) -> None:
         root = PurePosixPath(self.cache_root)
@@ -69,13 +84,27 @@ class OperatorSettings:
                 raise OrbitError(f"ORBIT_NODE_GPU: {exc}") from None
         if self.node_gpu_memory_gib is not None and self.node_gpu_memory_gib <= 0:
             raise OrbitError(f"ORBIT_NODE_GPU_MEMORY_GIB must be > 0, got {self.node_gpu_memory_gib}")
+        if self.cache_max_gib is not None and self.cache_max_gib <= 0:
+            raise OrbitError(f"ORBIT_CACHE_MAX_GIB must be > 0 (unset: no cleanup), got {self.cache_max_gib}")
+        if self.cache_min_idle_seconds < CACHE_MIN_IDLE_FLOOR_S:  # less: a base a pod is starting on (not yet leased) could go
+            raise OrbitError(f"ORBIT_CACHE_MIN_IDLE_SECONDS must be >= {CACHE_MIN_IDLE_FLOOR_S} (a pod's start: prepare-base to its "
+                             f"roles' leases), got {self.cache_min_idle_seconds}")  # fmt: skip
+
+    def pod_metadata_policy(self):  # -> validation.PodMetadataPolicy (imported here: validation imports the job spec)
+        """The allowlists for a job's priorityClassName, podLabels and podAnnotations."""
+        from orbit_operator.validation import PodMetadataPolicy
+
+        return PodMetadataPolicy(self.allowed_priority_classes, self.allowed_pod_labels, self.allowed_pod_annotations)
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> OperatorSettings:
         """ORBIT_CACHE_ROOT, ORBIT_RUNTIME_IMAGE, ORBIT_NAMESPACES (comma-separated), ORBIT_MAX_GPUS_PER_NODE,
         ORBIT_RUN_AS_USER, ORBIT_STATUS_POLL_SECONDS, ORBIT_LEARNER_STATUS_PORT, ORBIT_BACKOFF_BASE_SECONDS,
         ORBIT_ALLOW_IMAGE_OVERRIDE, ORBIT_NODE_GPU, ORBIT_NODE_GPU_MEMORY_GIB, ORBIT_RESYNC_SECONDS,
-        ORBIT_RECONCILE_WORKERS."""
+        ORBIT_RECONCILE_WORKERS, ORBIT_CACHE_MAX_GIB, ORBIT_CACHE_MIN_IDLE_SECONDS,
+        ORBIT_KUEUE, ORBIT_ALLOWED_PRIORITY_CLASSES, ORBIT_ALLOWED_POD_LABELS and
+        ORBIT_ALLOWED_POD_ANNOTATIONS (comma-separated), ORBIT_NETWORK_POLICY, ORBIT_OPERATOR_NAMESPACE,
+        ORBIT_OPERATOR_POD_LABELS (k=v,...), ORBIT_MONITORING_NAMESPACE."""
         env = dict(os.environ if env is None else env)
 
         def number(name: str, default, kind=int):
@@ -87,10 +116,13 @@ class OperatorSettings:
             except ValueError:
                 raise OrbitError(f"{name}: not a number: {raw!r}") from None
 
+        def names(name: str) -> tuple[str, ...]:
+            return tuple(n.strip() for n in env.get(name, "").split(",") if n.strip())
+
         return cls(
             cache_root=env.get("ORBIT_CACHE_ROOT", DEFAULT_CACHE_ROOT),
             runtime_image=env.get("ORBIT_RUNTIME_IMAGE", DEFAULT_IMAGE),
-            namespaces=tuple(n.strip() for n in env.get("ORBIT_NAMESPACES", "").split(",") if n.strip()),
+            namespaces=names("ORBIT_NAMESPACES"),
             max_gpus_per_node=number("ORBIT_MAX_GPUS_PER_NODE", 8),
             run_as_user=number("ORBIT_RUN_AS_USER", RUNTIME_USER),
             status_poll_seconds=number("ORBIT_STATUS_POLL_SECONDS", 10.0, float),
@@ -100,5 +132,15 @@ class OperatorSettings:
             backoff_base_seconds=number("ORBIT_BACKOFF_BASE_SECONDS", 10.0, float),
             allow_image_override=env.get("ORBIT_ALLOW_IMAGE_OVERRIDE", "false").lower() in ("1", "true", "yes"),
             node_gpu=env.get("ORBIT_NODE_GPU") or None,
+            kueue=env.get("ORBIT_KUEUE", "false").lower() in ("1", "true", "yes"),
             node_gpu_memory_gib=number("ORBIT_NODE_GPU_MEMORY_GIB", None, float),
+            cache_max_gib=number("ORBIT_CACHE_MAX_GIB", None, float),
+            cache_min_idle_seconds=number("ORBIT_CACHE_MIN_IDLE_SECONDS", 6 * 3600.0, float),
+            allowed_priority_classes=names("ORBIT_ALLOWED_PRIORITY_CLASSES"),
+            allowed_pod_labels=names("ORBIT_ALLOWED_POD_LABELS"),
+            allowed_pod_annotations=names("ORBIT_ALLOWED_POD_ANNOTATIONS"),
+            network_policy=env.get("ORBIT_NETWORK_POLICY", "false").lower() in ("1", "true", "yes"),
+            operator_namespace=env.get("ORBIT_OPERATOR_NAMESPACE") or "orbit-system",
+            operator_pod_labels=tuple(tuple(p.split("=", 1)) for p in names("ORBIT_OPERATOR_POD_LABELS") if "=" in p),  # type: ignore[misc]
+            monitoring_namespace=env.get("ORBIT_MONITORING_NAMESPACE", "monitoring") or None,
         )

@@ -55,10 +55,22 @@ OPERATOR_API_RETRIES = Counter(
     "orbit_operator_api_retries", "API calls refused transiently (429, quota 403, 5xx) and retried later, by call and status code.",
     ["call", "code"], registry=OPERATOR_REGISTRY,
 )
+OPERATOR_KUEUE_WORKLOADS = Counter("orbit_operator_kueue_workloads", "Kueue Workloads created for jobs (one per job).",
+                                   registry=OPERATOR_REGISTRY)  # fmt: skip
+OPERATOR_KUEUE_EVICTIONS = Counter(
+    "orbit_operator_kueue_evictions", "Running jobs whose pod was deleted because Kueue evicted (preempted) their Workload; "
+    "not counted as failures.", registry=OPERATOR_REGISTRY,
+)
+OPERATOR_KUEUE_WORKLOAD_UPDATES = Counter(
+    "orbit_operator_kueue_workload_updates", "Workload status writes, by kind: released (an evicted job's admission cleared "
+    "once its pod is gone), finished (condition Finished) or pods_ready (condition PodsReady).", ["kind"], registry=OPERATOR_REGISTRY,
+)
 for _outcome in ("ok", "invalid", "retry", "error"):
     OPERATOR_RECONCILES.labels(_outcome)
 for _stage in ("admission", "prepare_base"):
     OPERATOR_DOES_NOT_FIT.labels(_stage)
+for _kind in ("released", "finished", "pods_ready"):
+    OPERATOR_KUEUE_WORKLOAD_UPDATES.labels(_kind)
 
 STEP_BUCKETS = (0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1200, 3600)
 FAST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)

@@ -26,8 +26,10 @@ from tests.unit.test_operator_manifests import BAD_JOBS
 NS = "default"
 JOB = "quickstart-cpu"
 OPERATOR_TOKEN = "orbit-operator"  # the operator's kubeconfig token: its API calls are recorded apart from the tests'
-# (verb, group, resource, subresource, scope) of every operator run, by mode: "cluster-wide" or "namespaced"
-OPERATOR_API_CALLS: dict[str, set[tuple[str, str, str, str, str]]] = {"cluster-wide": set(), "namespaced": set()}
+# (verb, group, resource, subresource, scope) of every operator run, by mode: "cluster-wide", "namespaced" or "kueue"
+# (cluster-wide with ORBIT_KUEUE=true: tests/kube/test_kueue.py)
+OPERATOR_API_CALLS: dict[str, set[tuple[str, str, str, str, str]]] = {"cluster-wide": set(), "namespaced": set(), "kueue": set(),
+                                                                      "network-policy": set()}  # fmt: skip
 RECORDED_TESTS: set[str] = set()  # names of the tests whose operator runs OPERATOR_API_CALLS holds
 JOB_PATH = KubeEmulator.path(RLJOBS, NS, JOB)
 
@@ -56,7 +58,8 @@ def operator_process(kube: KubeEmulator, log_path: Path, status_port: int, extra
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
-            mode = "namespaced" if env.get("ORBIT_NAMESPACES") else "cluster-wide"
+            mode = ("namespaced" if env.get("ORBIT_NAMESPACES") else "kueue" if env.get("ORBIT_KUEUE") == "true"
+                    else "network-policy" if env.get("ORBIT_NETWORK_POLICY") == "true" else "cluster-wide")  # fmt: skip
             OPERATOR_API_CALLS[mode].update(kube.api_calls(OPERATOR_TOKEN))
             RECORDED_TESTS.add(_current_test())
 

@@ -15,18 +15,24 @@ from pathlib import Path
 
 import pytest
 
-from tests.kube import test_operator, test_operator_controller
+from tests.kube import test_kueue, test_operator, test_operator_controller, test_operator_security
 from tests.kube.emulator import ORBIT_CRD, KubeEmulator
 from tests.kube.test_operator import OPERATOR_API_CALLS, RECORDED_TESTS
 from tests.unit.test_chart import by_kind, render
 
-MODES = {"cluster-wide": None, "namespaced": {"watchNamespaces": ["default"]}}
+MODES = {"cluster-wide": None, "namespaced": {"watchNamespaces": ["default"]}, "kueue": {"kueue": {"enabled": True}},
+         "network-policy": {"networkPolicy": {"enabled": True}}}  # fmt: skip
+# the calls a mode's roles must equal: kueue is cluster-wide with Workloads on top (its scenarios: tests/kube/test_kueue.py)
+USED_IN = {"cluster-wide": ("cluster-wide",), "namespaced": ("namespaced",), "kueue": ("cluster-wide", "kueue"),
+           "network-policy": ("cluster-wide", "network-policy")}  # its scenario: tests/kube/test_operator_security.py  # fmt: skip
 
 
 def rules(objects: list[dict], kind: str) -> set[tuple[str, str, str, str]]:
     """(verb, group, resource, subresource) every rule of the rendered KIND objects allows."""
     out = set()
     for role in by_kind(objects, kind):
+        if role["metadata"].get("labels", {}).get("rbac.orbit.dev/for") == "kueue":
+            continue  # Kueue's own ServiceAccount's (tests/unit/test_kueue_lifecycle.py), not the operator's
         for rule in role["rules"]:
             assert "*" not in rule["verbs"] + rule["resources"] + rule["apiGroups"], rule  # no wildcards
             for group in rule["apiGroups"]:
@@ -38,7 +44,8 @@ def rules(objects: list[dict], kind: str) -> set[tuple[str, str, str, str]]:
 
 def operator_scenarios() -> dict[str, object]:
     """The tests that run the operator: name -> function(kube, tmp_path)."""
-    return {name: fn for module in (test_operator, test_operator_controller) for name, fn in inspect.getmembers(module, inspect.isfunction)
+    modules = (test_operator, test_operator_controller, test_kueue, test_operator_security)
+    return {name: fn for module in modules for name, fn in inspect.getmembers(module, inspect.isfunction)
             if name.startswith("test_") and fn.__module__ == module.__name__
             and list(inspect.signature(fn).parameters) == ["kube", "tmp_path"]}  # fmt: skip
 
@@ -59,7 +66,7 @@ def operator_calls() -> dict[str, set[tuple[str, str, str, str, str]]]:
 
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_the_chart_grants_exactly_the_calls_the_operator_makes(mode, operator_calls):
-    used = operator_calls[mode]
+    used = set().union(*(operator_calls[m] for m in USED_IN[mode]))
     assert used, f"no {mode} operator API calls recorded"
     objects = render(MODES[mode])
     cluster, namespaced = rules(objects, "ClusterRole"), rules(objects, "Role")

@@ -42,4 +42,22 @@ app.kubernetes.io/component: operator
 - apiGroups: [""]
   resources: [events]
   verbs: [create]
+{{- /* the per-job API key (made once, read to poll /status) and the values of the Secrets a job names, which the
+       operator masks in what it writes; it never lists Secrets */}}
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [get, create]
+{{- if .Values.networkPolicy.enabled }}
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: [get, create]
+{{- end }}
+{{- if .Values.kueue.enabled }}
+- apiGroups: [kueue.x-k8s.io]
+  resources: [workloads]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [kueue.x-k8s.io]
+  resources: [workloads/status]
+  verbs: [patch]
+{{- end }}
 {{- end }}
