@@ -48,16 +48,22 @@ def hold_base_lease(model_dir: Path) -> int | None:
     return fd
 
 
-def unleased(path: Path) -> int | None:
-    """A descriptor of the directory PATH holding an exclusive flock (so no role holds its lease, and none
-    can take one until it is closed), or None if a role holds one."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+def try_flock(path: Path, flags: int) -> int | None:
+    """A descriptor of PATH (opened with FLAGS) holding an exclusive flock, taken without waiting; None if
+    someone else holds one."""
+    fd = os.open(path, flags)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
         return None
     return fd
+
+
+def unleased(path: Path) -> int | None:
+    """A descriptor of the directory PATH holding an exclusive flock (so no role holds its lease, and none
+    can take one until it is closed), or None if a role holds one."""
+    return try_flock(path, os.O_RDONLY | os.O_DIRECTORY)
 
 
 def recorded_digest(model_dir: Path) -> str | None:

@@ -26,7 +26,6 @@ Deciding what to evict is `plan_evictions`, a pure function; the rest is a thin 
 
 from __future__ import annotations
 
-import fcntl
 import os
 import secrets
 import shutil
@@ -35,6 +34,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from orbit_runtime.base_cache import HISTORY, LAST_USED, LOCK, MODEL, RETIRED_PREFIX, retired_time
+from orbit_runtime.base_lease import try_flock
 from orbit_runtime.errors import OrbitError
 
 NAMED = "named"
@@ -181,23 +181,12 @@ def _mtime(path: Path) -> float:
         return 0.0
 
 
-def _try_flock(path: Path, flags: int) -> int | None:
-    """A descriptor of PATH holding flock FLAGS (non-blocking), or None if someone else holds it."""
-    fd = os.open(path, flags)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    return fd
-
-
 def _evict(root: Path, entry: Entry, min_idle_s: float) -> str | None:
     """Remove ENTRY, checking again under the locks; None when done, else why it was left."""
     base = root / entry.base
     try:
         if entry.retired:
-            lease = _try_flock(root / entry.path, os.O_RDONLY | os.O_DIRECTORY)
+            lease = try_flock(root / entry.path, os.O_RDONLY | os.O_DIRECTORY)
             if lease is None:
                 return "in use by a running pod"
             try:
@@ -205,7 +194,7 @@ def _evict(root: Path, entry: Entry, min_idle_s: float) -> str | None:
             finally:
                 os.close(lease)
             return None
-        lock = _try_flock(base / LOCK, os.O_RDWR | os.O_CREAT)
+        lock = try_flock(base / LOCK, os.O_RDWR | os.O_CREAT)
         if lock is None:
             return "being prepared"
         try:
@@ -216,7 +205,7 @@ def _evict(root: Path, entry: Entry, min_idle_s: float) -> str | None:
             model = base / MODEL
             if not _real_dir(model):
                 return None  # gone since the scan (another pod's cleanup evicted it)
-            lease = _try_flock(model, os.O_RDONLY | os.O_DIRECTORY)
+            lease = try_flock(model, os.O_RDONLY | os.O_DIRECTORY)
             if lease is None:
                 return "in use by a running pod"
             try:
