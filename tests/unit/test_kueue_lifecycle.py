@@ -85,16 +85,6 @@ SCHEMA = CRD["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
 ENV = celpy.Environment()
 
 
-def _cel(value):
-    if isinstance(value, bool):
-        return celpy.celtypes.BoolType(value)
-    if isinstance(value, dict):
-        return celpy.celtypes.MapType({celpy.celtypes.StringType(k): _cel(v) for k, v in value.items()})
-    if isinstance(value, list):
-        return celpy.celtypes.ListType([_cel(v) for v in value])
-    return celpy.json_to_cel(value)
-
-
 def refusals(schema: dict, new, old=None, path="") -> list[str]:
     """What the API server would refuse of NEW (OLD: the stored object, for transition rules): the structural
     schema's types, required fields, sizes, patterns and enums, and each level's CEL rules."""
@@ -125,7 +115,7 @@ def refusals(schema: dict, new, old=None, path="") -> list[str]:
     for rule in schema.get("x-kubernetes-validations", []):
         if "oldSelf" in rule["rule"] and old is None:
             continue  # a transition rule: only on updates
-        activation = {"self": _cel(new), **({"oldSelf": _cel(old)} if old is not None else {})}
+        activation = {"self": celpy.json_to_cel(new), **({"oldSelf": celpy.json_to_cel(old)} if old is not None else {})}
         if not bool(ENV.program(ENV.compile(rule["rule"])).evaluate(activation)):
             out.append(f"{path or '.'}: {rule['message']}")
     return out

@@ -26,17 +26,6 @@ def _policy(values: dict | None = None) -> dict:
     return policy
 
 
-def cel(value):
-    """JSON as CEL values (celpy.json_to_cel turns a bool into an int: bool is an int in Python)."""
-    if isinstance(value, bool):
-        return celpy.celtypes.BoolType(value)
-    if isinstance(value, dict):
-        return celpy.celtypes.MapType({celpy.celtypes.StringType(k): cel(v) for k, v in value.items()})
-    if isinstance(value, list):
-        return celpy.celtypes.ListType([cel(v) for v in value])
-    return celpy.json_to_cel(value)
-
-
 def _evaluate(expression: str, activation: dict):
     env = celpy.Environment()
     return env.program(env.compile(expression)).evaluate(activation)
@@ -45,10 +34,10 @@ def _evaluate(expression: str, activation: dict):
 def refusals(policy: dict, pod: dict, username: str = OPERATOR) -> list[str] | None:
     """The messages of the validations POD fails (None: the policy does not match the request at all)."""
     spec = policy["spec"]
-    request = cel({"userInfo": {"username": username}, "operation": "CREATE"})
+    request = celpy.json_to_cel({"userInfo": {"username": username}, "operation": "CREATE"})
     if not all(_evaluate(c["expression"], {"request": request}) for c in spec["matchConditions"]):
         return None
-    obj = cel(pod)
+    obj = celpy.json_to_cel(pod)
     variables: dict = {}
     for variable in spec["variables"]:
         variables[variable["name"]] = _evaluate(variable["expression"], {"object": obj, "variables": celpy.celtypes.MapType(variables)})
