@@ -33,12 +33,7 @@ class Kube:
 
     def job(self, namespace: str, name: str) -> dict | None:
         """The RLTrainingJob as stored now (None once it is gone)."""
-        try:
-            return self.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
-        except ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise
+        return _unless_missing(lambda: self.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name))
 
     def patch_job_status(self, namespace: str, name: str, status: dict) -> None:
         """Merge-patch the status subresource (None values remove keys)."""
@@ -51,13 +46,8 @@ class Kube:
         return [p for p in items if (p.get("metadata", {}).get("labels") or {}).get(LABEL_JOB) == job]
 
     def configmap(self, namespace: str, name: str) -> dict | None:
-        try:
-            found = self.core.read_namespaced_config_map(name, namespace)
-        except ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise
-        return self.core.api_client.sanitize_for_serialization(found)
+        found = _unless_missing(lambda: self.core.read_namespaced_config_map(name, namespace))
+        return None if found is None else self.core.api_client.sanitize_for_serialization(found)
 
     def apply_configmap(self, body: dict) -> None:
         """Create the ConfigMap, or rewrite its data if it exists and is ours (the controller ownerReference BODY
@@ -73,13 +63,8 @@ class Kube:
             self.core.patch_namespaced_config_map(meta["name"], meta["namespace"], {"data": body["data"]})
 
     def secret(self, namespace: str, name: str) -> dict | None:
-        try:
-            found = self.core.read_namespaced_secret(name, namespace)
-        except ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise
-        return self.core.api_client.sanitize_for_serialization(found)
+        found = _unless_missing(lambda: self.core.read_namespaced_secret(name, namespace))
+        return None if found is None else self.core.api_client.sanitize_for_serialization(found)
 
     def create_owned_secret(self, body: dict) -> dict:
         """Create the Secret, or return the existing one if it is ours; NotOwned otherwise. One that exists at the
@@ -112,13 +97,7 @@ class Kube:
 
     def create_pod(self, body: dict) -> bool:
         """Create the pod; False if a pod of that name exists already (an earlier reconcile made it)."""
-        try:
-            self.core.create_namespaced_pod(body["metadata"]["namespace"], body)
-        except ApiException as exc:
-            if exc.status == 409:
-                return False
-            raise
-        return True
+        return _unless_exists(lambda: self.core.create_namespaced_pod(body["metadata"]["namespace"], body))
 
     def delete_pod(self, namespace: str, name: str) -> None:
         _unless_gone(lambda: self.core.delete_namespaced_pod(name, namespace))
@@ -143,22 +122,12 @@ class Kube:
 
     def workload(self, namespace: str, name: str) -> dict | None:
         """The job's Kueue Workload (kueue.py), None if there is none."""
-        try:
-            return self.custom.get_namespaced_custom_object(KUEUE_GROUP, KUEUE_VERSION, namespace, WORKLOADS, name)
-        except ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise
+        return _unless_missing(lambda: self.custom.get_namespaced_custom_object(KUEUE_GROUP, KUEUE_VERSION, namespace, WORKLOADS, name))
 
     def create_workload(self, body: dict) -> bool:
         """Create the Workload; False if it exists (an earlier reconcile made it)."""
-        try:
-            self.custom.create_namespaced_custom_object(KUEUE_GROUP, KUEUE_VERSION, body["metadata"]["namespace"], WORKLOADS, body)
-        except ApiException as exc:
-            if exc.status == 409:
-                return False
-            raise
-        return True
+        namespace = body["metadata"]["namespace"]
+        return _unless_exists(lambda: self.custom.create_namespaced_custom_object(KUEUE_GROUP, KUEUE_VERSION, namespace, WORKLOADS, body))
 
     def patch_workload(self, namespace: str, name: str, patch: dict) -> None:
         """Merge-patch the Workload (its spec.active, spec.queueName)."""
@@ -169,12 +138,8 @@ class Kube:
 
     def priority_class_value(self, name: str) -> int | None:
         """The PriorityClass's value (cluster-scoped), None if there is none of that name."""
-        try:
-            return int(client.SchedulingV1Api(self.core.api_client).read_priority_class(name).value)
-        except ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise
+        found = _unless_missing(lambda: client.SchedulingV1Api(self.core.api_client).read_priority_class(name))
+        return None if found is None else int(found.value)
 
     def patch_workload_status(self, namespace: str, name: str, patch: dict) -> None:
         """Merge-patch the Workload's status subresource (the patch carries the resourceVersion it was decided at)."""
@@ -199,10 +164,27 @@ def _check_owner(existing: dict | None, body: dict, kind: str) -> None:
                        f"ownerReference to UID {owner['uid']}): the operator leaves it alone; delete or rename it")  # fmt: skip
 
 
+def _unless_missing(call):
+    """CALL's result, or None where the object is not there (404): a read of what may not exist."""
+    try:
+        return call()
+    except ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
+
+
 def _unless_gone(delete) -> None:
     """Run DELETE; an object that is already gone (404) is deleted as far as we care."""
+    _unless_missing(delete)
+
+
+def _unless_exists(create) -> bool:
+    """Run CREATE: True, or False if an object of that name exists already (409)."""
     try:
-        delete()
+        create()
     except ApiException as exc:
-        if exc.status != 404:
-            raise
+        if exc.status == 409:
+            return False
+        raise
+    return True
