@@ -143,9 +143,9 @@ def _reconcile(job: dict) -> Plan:
     polled = current is not None and not terminating(current)
     learner = learner_status(current, job_secrets.api_key(api, job) if _running(current) else None) if polled else None
     decided = plan(Observed(job=job, pods=pods, configmap=configmap, now=now, learner_status=learner, workload=workload), SETTINGS)
-    old = {k: v for k, v in (job.get("status") or {}).items() if not k.startswith("kopf")}
+    old = _ours(job.get("status") or {})
     events = list(decided.events)
-    if events or {k: v for k, v in decided.status.items() if not k.startswith("kopf")} != old:  # about to write: no
+    if events or _ours(decided.status) != old:  # about to write: no
         decided.status = job_secrets.redacted(api, job, decided.status)  # value of the job's Secrets goes into it
         events = job_secrets.redacted(api, job, events)
     owner = owner_reference(name, meta["uid"])
@@ -160,7 +160,7 @@ def _reconcile(job: dict) -> Plan:
             events.append(("Warning", "WorkloadRejected", refused))
     if decided.delete_pods:  # record first (the bumped attempt), then delete: a death in between never
         _record(api, namespace, name, old, decided.status)  # takes the pod being deleted for the next one
-        old = {k: v for k, v in decided.status.items() if not k.startswith("kopf")}
+        old = _ours(decided.status)
         for pod_name in decided.delete_pods:
             api.delete_pod(namespace, pod_name)
     if decided.create_pod is not None:  # create, then record: the name is deterministic, so a death in between
@@ -195,9 +195,14 @@ def _reconcile(job: dict) -> Plan:
     return decided
 
 
+def _ours(status: dict) -> dict:
+    """STATUS without kopf's own keys (its progress storage): what the operator writes and compares."""
+    return {k: v for k, v in status.items() if not k.startswith("kopf")}
+
+
 def _record(api: Kube, namespace: str, name: str, old: dict, status: dict) -> dict:
     """Write STATUS if it differs from OLD (a quiet poll writes nothing); returns what is stored now."""
-    new = {k: v for k, v in status.items() if not k.startswith("kopf")}
+    new = _ours(status)
     if new != old:
         api.patch_job_status(namespace, name, {**{k: None for k in old if k not in new}, **new})
     return new
@@ -239,10 +244,8 @@ def _create_workload(api: Kube, job: dict, decided: Plan) -> str | None:
     message = job_secrets.redacted(api, job, message)[:1000]
     now = datetime.now(UTC).replace(tzinfo=None)
     decided.status = kueue.workload_refused(decided.status, message, now, job["metadata"].get("generation"))
-    tries, last = _refusals.get(key, (0, ""))
-    _refusals[key] = (tries + 1, message)
-    decided.requeue_after = backoff_seconds(tries + 1, base=SETTINGS.backoff_base_seconds)
-    return None if message == last else message
+    decided.requeue_after, new = _refused(key, message)
+    return message if new else None
 
 
 def _running(pod: dict) -> bool:
@@ -257,11 +260,10 @@ def _unless_not_owned(api: Kube, job: dict, write) -> None:
     try:
         write()
     except NotOwned as exc:
-        tries, last = _refusals.get(key, (0, ""))
-        if str(exc) != last:
+        delay, new = _refused(key, str(exc))
+        if new:
             api.post_event(job, "Warning", "NotOwned", str(exc)[:1000])
-        _refusals[key] = (tries + 1, str(exc))
-        raise _Retry(backoff_seconds(tries + 1, base=SETTINGS.backoff_base_seconds)) from exc
+        raise _Retry(delay) from exc
 
 
 def _create_pod(api: Kube, job: dict, decided: Plan) -> bool | None:
@@ -278,15 +280,22 @@ def _create_pod(api: Kube, job: dict, decided: Plan) -> bool | None:
             _refusals.pop(key, None)
             decided.rejection = message
             return None
-        tries, last = _refusals.get(key, (0, ""))
-        delay = max(kind.retry_after, backoff_seconds(tries + 1, base=SETTINGS.backoff_base_seconds))
+        backoff, new = _refused(key, kind.summary)
+        delay = max(kind.retry_after, backoff)
         metrics.OPERATOR_API_RETRIES.labels("create_pod", str(exc.status or 0)).inc()
-        if kind.summary != last:  # one event per kind of refusal, not one per retry
+        if new:  # one event per kind of refusal, not one per retry
             api.post_event(job, "Warning", "PodCreateRetrying", f"{message}; retrying with backoff (next in {delay:.0f}s)"[:1000])
-        _refusals[key] = (tries + 1, kind.summary)
         raise _Retry(delay) from exc
     _refusals.pop(key, None)
     return created
+
+
+def _refused(key: str, what: str) -> tuple[float, bool]:
+    """Count one more refusal in a row for job KEY: the backoff before the next try, and whether WHAT differs
+    from the last refusal (say it once, not once per retry)."""
+    tries, last = _refusals.get(key, (0, ""))
+    _refusals[key] = (tries + 1, what)
+    return backoff_seconds(tries + 1, base=SETTINGS.backoff_base_seconds), what != last
 
 
 def _forget(namespace: str, name: str) -> None:
