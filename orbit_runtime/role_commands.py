@@ -147,20 +147,21 @@ def http_url(host: str, port: int) -> str:
 def write_termination_message(path: Path | None, status: dict) -> None:
     """The learner's last /status, for the operator once nothing serves it any more (Kubernetes puts
     the file into the container's `state.terminated.message`, at most 4 KiB). Never fails the run."""
-    if path is None:
-        return
-    try:  # masked before it is dumped: JSON escapes would hide a value with quotes or non-ASCII characters
-        path.write_text(json.dumps(mask_all(status, secret_values()), separators=(",", ":"))[:4096])
-    except OSError as exc:
-        typer.echo(f"could not write the termination message {path}: {exc}", err=True)
+    # masked before it is dumped: JSON escapes would hide a value with quotes or non-ASCII characters
+    _write_termination_log(path, json.dumps(mask_all(status, secret_values()), separators=(",", ":"))[:4096])
 
 
 def write_failure_message(path: Path | None, message: str) -> None:
     """Why the learner failed, redacted (every value of the job's Secrets, orbit_runtime.redaction), as the
     termination message: the kubelet's fallback would otherwise copy the raw end of the log there."""
+    _write_termination_log(path, redact(f"error: {message}")[-4096:])
+
+
+def _write_termination_log(path: Path | None, text: str) -> None:
+    """Write TEXT to PATH (None: no termination log); a failure to write is said, never raised."""
     if path is None:
         return
     try:
-        path.write_text(redact(f"error: {message}")[-4096:])
+        path.write_text(text)
     except OSError as exc:
         typer.echo(f"could not write the termination message {path}: {exc}", err=True)

@@ -116,6 +116,9 @@ class OperatorSettings:
             except ValueError:
                 raise OrbitError(f"{name}: not a number: {raw!r}") from None
 
+        def flag(name: str) -> bool:
+            return env.get(name, "false").lower() in ("1", "true", "yes")
+
         def names(name: str) -> tuple[str, ...]:
             return tuple(n.strip() for n in env.get(name, "").split(",") if n.strip())
 
@@ -130,16 +133,16 @@ class OperatorSettings:
             reconcile_workers=number("ORBIT_RECONCILE_WORKERS", 4),
             learner_status_port=number("ORBIT_LEARNER_STATUS_PORT", 9400),
             backoff_base_seconds=number("ORBIT_BACKOFF_BASE_SECONDS", 10.0, float),
-            allow_image_override=env.get("ORBIT_ALLOW_IMAGE_OVERRIDE", "false").lower() in ("1", "true", "yes"),
+            allow_image_override=flag("ORBIT_ALLOW_IMAGE_OVERRIDE"),
             node_gpu=env.get("ORBIT_NODE_GPU") or None,
-            kueue=env.get("ORBIT_KUEUE", "false").lower() in ("1", "true", "yes"),
+            kueue=flag("ORBIT_KUEUE"),
             node_gpu_memory_gib=number("ORBIT_NODE_GPU_MEMORY_GIB", None, float),
             cache_max_gib=number("ORBIT_CACHE_MAX_GIB", None, float),
             cache_min_idle_seconds=number("ORBIT_CACHE_MIN_IDLE_SECONDS", 6 * 3600.0, float),
             allowed_priority_classes=names("ORBIT_ALLOWED_PRIORITY_CLASSES"),
             allowed_pod_labels=names("ORBIT_ALLOWED_POD_LABELS"),
             allowed_pod_annotations=names("ORBIT_ALLOWED_POD_ANNOTATIONS"),
-            network_policy=env.get("ORBIT_NETWORK_POLICY", "false").lower() in ("1", "true", "yes"),
+            network_policy=flag("ORBIT_NETWORK_POLICY"),
             operator_namespace=env.get("ORBIT_OPERATOR_NAMESPACE") or "orbit-system",
             operator_pod_labels=tuple(tuple(p.split("=", 1)) for p in names("ORBIT_OPERATOR_POD_LABELS") if "=" in p),  # type: ignore[misc]
             monitoring_namespace=env.get("ORBIT_MONITORING_NAMESPACE", "monitoring") or None,
