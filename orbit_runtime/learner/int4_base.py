@@ -25,19 +25,19 @@ UNSUPPORTED_MOE_TYPES = {"qwen2_moe", "mixtral"}
 FP32_TENSOR_SUFFIXES = ("e_score_correction_bias",)  # routing biases stay fp32 whatever the dtype
 
 
-def _set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
+def set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
     parent_name, _, child = name.rpartition(".")
     setattr(root.get_submodule(parent_name) if parent_name else root, child, module)
 
 
-def _materialise_rotary(model: nn.Module, config) -> None:
+def materialise_rotary(model: nn.Module, config) -> None:
     """Rotary embeddings keep a non-persistent `inv_freq` buffer that is not in the checkpoint."""
     for name, module in list(model.named_modules()):
         if type(module).__name__.endswith("RotaryEmbedding"):
-            _set_submodule(model, name, type(module)(config=config))
+            set_submodule(model, name, type(module)(config=config))
 
 
-def _tied_weight_keys(model: nn.Module, config) -> dict[str, str]:
+def tied_weight_keys(model: nn.Module, config) -> dict[str, str]:
     """{target: source} of the weights the config ties, e.g. {"lm_head.weight": "model.embed_tokens.weight"}."""
     expand = getattr(model, "get_expanded_tied_weights_keys", None)
     if expand is not None:  # transformers 5: reads each (sub)model's config.tie_word_embeddings
@@ -52,10 +52,33 @@ def _tied_weight_keys(model: nn.Module, config) -> dict[str, str]:
     return {f"{names[id(output)]}.weight": f"{names[id(input_)]}.weight"}
 
 
-def _tie(model: nn.Module, target: str, source: str) -> None:
+def tie(model: nn.Module, target: str, source: str) -> None:
     """Make parameter TARGET the very same tensor as SOURCE (one copy in memory)."""
     parent_name, _, attr = target.rpartition(".")
     setattr(model.get_submodule(parent_name) if parent_name else model, attr, model.get_parameter(source))
+
+
+def meta_model(model_dir: Path, dtype: torch.dtype) -> tuple[nn.Module, object, QuantizedCheckpointInfo]:
+    """The transformer of MODEL_DIR's config.json on the meta device (no memory), its config
+    without the quantization block (the INT4 part is Orbit's), and the checkpoint's scheme."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config_path = Path(model_dir) / "config.json"
+    if not config_path.is_file():
+        raise OrbitError(f"{model_dir}: not a model directory (no config.json)")
+    raw_config = json.loads(config_path.read_text())
+    info = read_quantization_config(raw_config, str(config_path))
+    if raw_config.get("model_type") in UNSUPPORTED_MOE_TYPES:
+        raise OrbitError(
+            f"{config_path}: the learner does not load {raw_config['model_type']} models; "
+            f"its MoE architectures are {sorted(MOE_BLOCK_CLASSES)}"
+        )
+    config = AutoConfig.from_pretrained(model_dir)
+    config.quantization_config = None
+    del config.quantization_config
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    return model, config, info
 
 
 def load_int4_base(model_dir: Path, dtype: torch.dtype) -> tuple[nn.Module, QuantizedCheckpointInfo]:
@@ -67,24 +90,9 @@ def load_int4_base(model_dir: Path, dtype: torch.dtype) -> tuple[nn.Module, Quan
     are stored once: the LM head becomes the embedding tensor itself, not a copy.
     """
     from safetensors import safe_open
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     model_dir = Path(model_dir)
-    config_path = model_dir / "config.json"
-    if not config_path.is_file():
-        raise OrbitError(f"{model_dir}: not a model directory (no config.json)")
-    raw_config = json.loads(config_path.read_text())
-    info = read_quantization_config(raw_config, str(config_path))
-    if raw_config.get("model_type") in UNSUPPORTED_MOE_TYPES:
-        raise OrbitError(
-            f"{config_path}: the learner does not load {raw_config['model_type']} models; "
-            f"its MoE architectures are {sorted(MOE_BLOCK_CLASSES)}"
-        )
-    config = AutoConfig.from_pretrained(model_dir)
-    config.quantization_config = None  # we do the INT4 part ourselves
-    del config.quantization_config
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    model, config, info = meta_model(model_dir, dtype)
     if config.model_type in MOE_BLOCK_CLASSES:  # per-expert linears, so they can be packed and get LoRA
         replace_moe_blocks(model, config)
 
@@ -104,7 +112,7 @@ def load_int4_base(model_dir: Path, dtype: torch.dtype) -> tuple[nn.Module, Quan
     packed_modules = {k.rsplit(".", 1)[0] for k in shard_of if k.endswith((".weight_packed", ".weight_scale"))}
     for name, module in list(model.named_modules()):
         if type(module) is nn.Linear and name in packed_modules:
-            _set_submodule(
+            set_submodule(
                 model,
                 name,
                 Int4Linear(
@@ -128,7 +136,7 @@ def load_int4_base(model_dir: Path, dtype: torch.dtype) -> tuple[nn.Module, Quan
     # name is tied to the present one after loading.
     ties: list[tuple[str, str]] = []
     both_stored: list[tuple[str, str]] = []  # e.g. converted from a .bin checkpoint
-    for target, source in _tied_weight_keys(model, config).items():
+    for target, source in tied_weight_keys(model, config).items():
         if target not in expected or source not in expected:
             continue
         if target not in present and source in present:
@@ -158,11 +166,11 @@ def load_int4_base(model_dir: Path, dtype: torch.dtype) -> tuple[nn.Module, Quan
             raise OrbitError(f"{shard}: does not fit the model in config.json ({exc})") from None
         del tensors
     for target, source in ties:
-        _tie(model, target, source)
+        tie(model, target, source)
     for target, source in both_stored:  # tie only identical copies, as transformers does
         if torch.equal(model.get_parameter(target), model.get_parameter(source)):
-            _tie(model, target, source)
-    _materialise_rotary(model, config)
+            tie(model, target, source)
+    materialise_rotary(model, config)
     still_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if still_meta:
         raise RuntimeError(f"tensors left unloaded on the meta device: {still_meta[:5]}")

