@@ -62,7 +62,10 @@ class Arena:
         return [asdict(e) for e in self.entries]
 
     def close(self) -> None:
-        os.close(self.fd)
+        """Close the descriptor (once; a second call does nothing)."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 def _aligned(n: int) -> int:
@@ -107,6 +110,12 @@ def build_arena(tensors: Iterable[tuple[str, torch.Tensor]], label: str = "orbit
                     tensor.data = mapped.tensors[entry.name]
             del target  # the writable mapping can close only once no tensor views it
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+        # A mapping made before the seal could still be made writable (mprotect); one made after it
+        # cannot. The moved tensors move once more, onto the sealed mapping; the first one goes.
+        mapped = _map(arena)
+        if move:
+            for (_, tensor), entry in zip(tensors, entries, strict=True):
+                tensor.data = mapped.tensors[entry.name]
     except BaseException:
         os.close(fd)
         raise

@@ -50,7 +50,11 @@ def attach_shared_base(client, timeout_s: float = 300.0) -> AttachedBase:
                         raise TransportError("the rollout engine answered but never sent its shared base") from None
                     if time.monotonic() > deadline:
                         raise
-            results = rpc.result()
+            try:
+                results = rpc.result()
+            except BaseException:
+                arena.close()
+                raise
     finally:
         receiver.close()
     if len(results) != 1:

@@ -71,11 +71,28 @@ def share_model_weights(model: nn.Module) -> SharedWeights:
         raise SharingRefused("two of the engine's parameters have the same name without their LoRA wrapper")
     dtypes = {p.dtype for n, p in params if p.is_floating_point() and n.endswith(("weight_scale", "norm.weight"))}
     arena, mapped = build_arena(zip(names, (p for _, p in params), strict=True), move=True)
+    _redispatch_dense_gemms(model)
     stray = [n for n, p in params if not mapped.holds(p.data)]
     if stray:
         raise SharingRefused(f"parameters still outside the shared base after moving it: {stray[:3]}")
     dtype = str(next(iter(dtypes))).removeprefix("torch.") if len(dtypes) == 1 else "mixed"
     return SharedWeights(arena, mapped, isa_hint, dtype)
+
+
+def _redispatch_dense_gemms(model: nn.Module) -> None:
+    """vLLM's CPU build gives each 16-bit linear (the LM head) a oneDNN/SGL handle made from its weight
+    after loading; made again from the moved weight, the handle no longer keeps the old storage alive."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if hasattr(module, "cpu_linear") and isinstance(weight, torch.Tensor) and weight.ndim == 2 and weight.numel():
+            dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+
+
+def stray_parameters(model: nn.Module, shared: SharedWeights) -> list[str]:
+    """The engine's parameters whose memory is no longer the arena's (something replaced them)."""
+    return [n for n, p in model.named_parameters() if not shared.mapped.holds(p.data)]
 
 
 def linear_output(model: nn.Module, name: str, rows: int, seed: int) -> torch.Tensor:

@@ -61,6 +61,7 @@ def _project_imports(path: Path) -> set[str]:
 FORBIDDEN_IMPORTS = {
     "algorithms": ("learner", "rollout", "trainer", "reference", "sync", "int4"),  # pure math the learner calls
     "rollout": ("learner", "trainer"),  # the rollout engine never depends on the learner
+    "shared_base": ("learner", "trainer", "rollout", "sync"),  # neutral: both sides of the colocated base use it
 }
 
 

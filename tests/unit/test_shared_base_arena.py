@@ -100,3 +100,25 @@ def test_an_unsealed_memory_file_is_refused():
     with pytest.raises(ValueError, match="not sealed"):
         map_arena(Arena(fd, 4096, []))
     os.close(fd)
+
+
+def _mprotect_writable(tensor: torch.Tensor) -> int:
+    """mprotect(PROT_READ | PROT_WRITE) on the pages under TENSOR: 0 if the kernel allowed it."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = tensor.data_ptr() // page * page
+    length = (tensor.data_ptr() + tensor.nbytes - start + page - 1) // page * page
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc.mprotect(ctypes.c_void_p(start), ctypes.c_size_t(length), mmap.PROT_READ | mmap.PROT_WRITE)
+
+
+def test_no_mapping_of_the_sealed_arena_can_be_made_writable_again():
+    """Neither the moved tensors (the engine's) nor a later mapping (the learner's) can be mprotect-ed writable."""
+    params = {"w": torch.nn.Parameter(torch.zeros(4096), requires_grad=False)}
+    arena, _ = build_arena(params.items(), move=True)
+    assert _mprotect_writable(params["w"].data) != 0
+    assert _mprotect_writable(map_arena(arena).tensors["w"]) != 0
+    arena.close()
+    arena.close()  # closing twice is harmless (a restart path may)
