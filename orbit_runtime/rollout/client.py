@@ -77,6 +77,16 @@ class RolloutClient:
             raise RuntimeError(f"rollout /collective_rpc {method} returned {response.status_code}: {response.text[:500]}")
         return response.json()["results"]
 
+    def release_kv_cache(self) -> None:
+        """Free the engine's KV cache (vLLM sleep mode, GPU; the weights stay where they are)."""
+        self._post("/release_kv_cache_memory", {})
+
+    def wake_kv_cache(self) -> None:
+        """Allocate the KV cache again after release_kv_cache."""
+        response = self._http.post("/wake_up", params={"tags": "kv_cache"})
+        if response.status_code >= 400:
+            raise RuntimeError(f"rollout /wake_up returned {response.status_code}: {response.text[:500]}")
+
     def generate(
         self,
         prompts: list[list[int]],

@@ -106,8 +106,17 @@ class VLLMServerConfig:
         return args
 
     def colocated_args(self) -> list[str]:
-        """Orbit's worker extension (the learner reaches the engine's weights through it)."""
-        return ["--worker-extension-cls", WORKER_EXTENSION] if self.colocated else []
+        """Orbit's worker extension (the learner reaches the engine's weights through it) and, on a
+        GPU, sleep mode (the KV cache is freed while the learner updates; see releases_kv_cache)."""
+        if not self.colocated:
+            return []
+        return ["--worker-extension-cls", WORKER_EXTENSION, *(["--enable-sleep-mode"] if self.releases_kv_cache else [])]
+
+    @property
+    def releases_kv_cache(self) -> bool:
+        """Does the engine give its KV cache back during updates? Colocated on a GPU only: vLLM's CPU
+        build allocates its KV cache once (VLLM_CPU_KVCACHE_SPACE) and its sleep mode frees nothing."""
+        return self.colocated and not is_cpu_build()
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)

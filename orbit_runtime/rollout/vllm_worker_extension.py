@@ -18,6 +18,7 @@ class OrbitWorkerExtension:
     """Mixed into vLLM's worker class; `self.model_runner.model` is the engine's model."""
 
     _orbit_shared = None  # SharedWeights, once the base has been moved into the arena
+    _orbit_adapters = None  # MemoryAdapters, once the learner staged a version
 
     def orbit_share_base(self, socket_path: str) -> dict:
         """Move the model's weights into the shared arena (first call) and send it to SOCKET_PATH."""
@@ -30,6 +31,34 @@ class OrbitWorkerExtension:
         meta = self._orbit_shared.meta()
         send_arena(socket_path, self._orbit_shared.arena, meta)
         return meta
+
+    def orbit_stray_parameters(self) -> list:
+        """Names of the model's parameters no longer on the shared pages (empty: vLLM computes from them)."""
+        from orbit_runtime.shared_base.vllm_weights import stray_parameters
+
+        if self._orbit_shared is None:
+            return []
+        return stray_parameters(self.model_runner.model, self._orbit_shared)
+
+    def orbit_unstage_adapter(self, name: str) -> dict:
+        """Forget adapter version NAME's staged tensors (the learner unloaded it)."""
+        dropped = self._orbit_adapters is not None and self._orbit_adapters.unstage(name)
+        return {"name": name, "dropped": dropped}
+
+    def orbit_stage_adapter(self, socket_path: str, name: str) -> dict:
+        """Fetch adapter version NAME's tensors from the learner's offer at SOCKET_PATH and keep them
+        for vLLM's loader (`MEMORY_PREFIX + name`)."""
+        from orbit_runtime.rollout.memory_adapters import MemoryAdapters
+        from orbit_runtime.shared_base.transport import fetch_arena
+
+        if self._orbit_adapters is None:
+            self._orbit_adapters = MemoryAdapters(self.model_runner.lora_manager)
+        arena, meta = fetch_arena(socket_path)
+        try:
+            count = self._orbit_adapters.stage(name, arena, meta["config"])
+        finally:
+            arena.close()
+        return {"name": name, "tensors": count}
 
     def orbit_linear_output(self, name: str, rows: str, seed: str) -> dict:
         """vLLM's kernel output of INT4 linear NAME on a seeded input (for the learner's bitwise check)."""

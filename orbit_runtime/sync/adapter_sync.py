@@ -41,6 +41,7 @@ from orbit_runtime.algorithms.mismatch import MismatchStats, measure_mismatch
 from orbit_runtime.atomic_dir import atomic_directory
 from orbit_runtime.observability import metrics
 from orbit_runtime.rollout.client import RolloutClient, adapter_name
+from orbit_runtime.sync.memory_adapter import InMemoryAdapter, unstage
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +164,14 @@ class AdapterSync:
         self.noise_floor: float | None = None
         self.served_name: str | None = None
         self.failures = 0  # canary verifications that failed on this server
+        self._in_memory: set[str] = set()  # names loaded from memory (placement colocated)
+
+    def _unload(self, name: str) -> None:
+        """Unload NAME from vLLM (and, if it came from memory, drop its staged tensors)."""
+        self.client.unload_adapter(name)
+        if name in self._in_memory:
+            self._in_memory.discard(name)
+            unstage(self.client, name)
 
     @property
     def tolerance(self) -> float:
@@ -183,20 +192,24 @@ class AdapterSync:
         metrics.SYNC_CANARY_TOLERANCE.set(self.tolerance)
         return self.noise_floor
 
-    def sync(self, version: int, path: Path, expected: list[torch.Tensor],
+    def sync(self, version: int, path: Path | InMemoryAdapter, expected: list[torch.Tensor],
              previous: list[torch.Tensor] | None = None) -> SyncResult:  # fmt: skip
-        """Serve adapter VERSION from PATH, verified against EXPECTED (its canary_expectations) and,
+        """Serve adapter VERSION from PATH (a published directory, or an InMemoryAdapter), verified against EXPECTED (its canary_expectations) and,
         to tell it from a stale adapter, PREVIOUS (version N-1's)."""
         started = time.monotonic()
         check: CanaryCheck | None = None
         for attempt in range(self.retries + 1):
             name = self.client.fresh_name(adapter_name(version))  # never a name vLLM has cached weights for
-            self.client.load_adapter(name, path)
+            if isinstance(path, InMemoryAdapter):  # placement colocated: no files
+                path.load(self.client, name)
+                self._in_memory.add(name)
+            else:
+                self.client.load_adapter(name, path)
             check = check_canary(expected, previous, self.rollout_canary(name), self.tolerance, self.noise_floor)
             if check.passed:
                 old, self.served_name = self.served_name, name
                 if old is not None:
-                    self.client.unload_adapter(old)
+                    self._unload(old)
                 if check.verdict == "inconclusive":
                     metrics.SYNC_CANARY_INCONCLUSIVE.inc()
                     log.warning(
@@ -207,7 +220,7 @@ class AdapterSync:
                                   check.to_previous, check.separation, check.verdict, check.tolerance)  # fmt: skip
             self.failures += 1
             metrics.SYNC_CANARY_FAILURES.inc()
-            self.client.unload_adapter(name)  # never leave an unverified adapter loaded
+            self._unload(name)  # never leave an unverified adapter loaded
         assert check is not None
         stale = check.conclusive and not check.to_expected < check.to_previous  # type: ignore[operator]
         why = (
@@ -217,7 +230,7 @@ class AdapterSync:
             else f"differ from the learner's by {check.to_expected:.4f} (tolerance {check.tolerance:.4f})"
         )
         raise SyncError(
-            f"adapter v{version} from {path}: rollout canary log-probs {why} after {self.retries + 1} attempts; "
+            f"adapter v{version} from {path if isinstance(path, Path) else 'memory'}: rollout canary log-probs {why} after {self.retries + 1} attempts; "
             f"still serving {self.served_name or 'the base model'}"
         )
 
