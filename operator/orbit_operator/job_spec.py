@@ -255,6 +255,9 @@ class RLTrainingJobSpec(JobSpec):
         total = sum(r.gpus for r in (self.resources.rollout, self.resources.reference, self.resources.learner))
         if total > MAX_GPUS_PER_NODE:
             raise ValueError(f"resources: {total} GPUs in all exceed one node ({MAX_GPUS_PER_NODE})")
+        if self.placement == "colocated" and (self.resources.rollout.gpus or self.resources.learner.gpus):
+            # on GPUs the learner's compute would have to run in the rollout container (the one given the GPUs)
+            raise ValueError("placement colocated: resources.rollout.gpus and resources.learner.gpus must be 0 (CPU only)")
         if self.rollout.tensor_parallel_size > max(self.resources.rollout.gpus, 1):
             raise ValueError(
                 f"rollout.tensor_parallel_size ({self.rollout.tensor_parallel_size}) exceeds resources.rollout.gpus "

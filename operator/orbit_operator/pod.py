@@ -71,6 +71,7 @@ CONFIG_FILE = "job.yaml"
 PLAN_FILE = "plan.json"  # the job's plan request (orbit_operator.fit): prepare-base plans the pod with the base's config.json
 TERMINATION_LOG = "/dev/termination-log"  # the learner's final /status, read by the operator from the pod status
 APPLIED_SPEC_FILE = "spec.json"  # the RLTrainingJob spec the job's pods are built from
+SHARE_DIR_ENV = "ORBIT_SHARE_DIR"  # orbit_runtime.shared_base.transport reads it (that module pulls in torch)
 PORTS = {"rollout": 8000, "reference": 8001}  # `orbit learner` finds them there; its own is the operator's learner_status_port
 LABEL_JOB = f"{GROUP}/job"
 LABEL_ATTEMPT = f"{GROUP}/attempt"
@@ -306,6 +307,9 @@ def build_pod(name: str, namespace: str, spec: RLTrainingJobSpec, settings: Oper
         sidecar["restartPolicy"] = "Always"  # a native sidecar: restarted in place, stopped after the learner
     for role in (rollout, reference, learner):  # the run's API key: the servers ask for it, the learner sends it
         role["env"].append(_api_key_env(name))
+    if spec.placement == "colocated":
+        # the learner maps the rollout's base: its socket goes in the /dev/shm volume both containers mount
+        learner["env"].append({"name": SHARE_DIR_ENV, "value": "/dev/shm"})
     if spec.checkpoint.credentialsSecret:
         learner["envFrom"] = [{"secretRef": {"name": spec.checkpoint.credentialsSecret}}]  # the learner only
 

@@ -2,7 +2,7 @@
 
 Where checkpoints go, how often they are written, how evaluation and sync verification run,
 where metrics are served, what is logged, where the learner and the rollout run and how
-they split their work (micro-batches, GPU settings), and how many steps the run lasts do
+they split their work (micro-batches, GPU settings, `placement`: one base copy or two), and how many steps the run lasts do
 not change the computation of any step, so they are left out: a run can be resumed to
 train longer, on another device, or with checkpoints redirected. Everything else - model,
 adapter, algorithm, data, rewards, rollout sampling, schedule - is in the hash.
@@ -24,7 +24,7 @@ EXCLUDED = (
     "checkpoint", "eval", "metrics", "sync", "run.output_dir", "run.log_samples", "schedule.steps",
     "rollout.max_restarts", "rollout.kv_cache_gib", "reference.max_restarts", "learner",
     "rollout.gpu_memory_utilization", "rollout.tensor_parallel_size", "rollout.enable_prefix_caching", "rollout.max_num_seqs",
-    "rollout.enforce_eager", "algorithm.max_mismatch", "algorithm.max_mismatch_steps",
+    "rollout.enforce_eager", "algorithm.max_mismatch", "algorithm.max_mismatch_steps", "placement",
 )  # fmt: skip
 
 

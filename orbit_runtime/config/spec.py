@@ -343,6 +343,12 @@ class JobSpec(Section):
     """An RL post-training job: `RLTrainingJob.spec` and the `orbit train` config file."""
 
     model: ModelSpec
+    placement: Literal["separate", "colocated"] = Field(
+        "separate",
+        description="separate: the rollout engine and the learner each hold the base in memory; colocated: one copy, "
+        "the rollout engine's, which the learner maps read-only and computes on with vLLM's INT4 kernel "
+        "(dense models on CPU in this version; `orbit plan` says which fits).",
+    )
     adapter: AdapterSpec = Field(default_factory=AdapterSpec)
     learner: LearnerSpec = Field(default_factory=LearnerSpec)
     algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
@@ -369,6 +375,23 @@ class JobSpec(Section):
                 f"algorithm.minibatches ({self.algorithm.minibatches}) exceeds the samples per step "
                 f"(rollout.prompts_per_step x rollout.group_size = {samples})"
             )
+        return self
+
+    @model_validator(mode="after")
+    def validate_placement(self) -> JobSpec:
+        if self.placement != "colocated":
+            return self
+        problems = []
+        if self.reference.mode != "shared":
+            problems.append("reference.mode must be shared (the reference is the shared base with the adapter off)")
+        if self.model.learner_dtype not in (None, self.model.dtype):
+            problems.append(f"model.learner_dtype must be unset or {self.model.dtype}: the learner computes on vLLM's tensors")
+        if self.learner.device == "cuda":
+            problems.append("learner.device cannot be cuda: the colocated base is shared through CPU memory in this version")
+        if self.rollout.tensor_parallel_size != 1:
+            problems.append("rollout.tensor_parallel_size must be 1: the learner maps one worker's weights")
+        if problems:
+            raise ValueError("placement colocated: " + "; ".join(problems))
         return self
 
     def checkpoint_uri(self) -> str:

@@ -67,10 +67,18 @@ class SharedInt4Projection(nn.Module):
         self._cached: tuple[torch.Tensor, bool, torch.Tensor] | None = None
         self._reads = 0
 
+    def compute(self, x: torch.Tensor) -> torch.Tensor:
+        """The fused output for X, without the cache (for checks)."""
+        return _SharedInt4MatMul.apply(x, self.weight_packed, self.weight_scale, self.bias, self.isa_hint)
+
+    def reset(self) -> None:
+        """Drop a cached output (and the graph and pages it holds)."""
+        self._cached, self._reads = None, 0
+
     def output_for(self, x: torch.Tensor) -> torch.Tensor:
         grad = torch.is_grad_enabled()
         if self._cached is None or self._cached[0] is not x or self._cached[1] != grad:
-            y = _SharedInt4MatMul.apply(x, self.weight_packed, self.weight_scale, self.bias, self.isa_hint)
+            y = self.compute(x)
             self._cached, self._reads = (x, grad, y), 0
         y = self._cached[2]
         self._reads += 1
@@ -193,6 +201,7 @@ def rebind_colocated_base(model: nn.Module, shared: dict[str, torch.Tensor]) -> 
     count = 0
     for module in model.modules():
         if isinstance(module, SharedInt4Projection):
+            module.reset()
             for attr in ("weight_packed", "weight_scale", "bias"):
                 old = getattr(module, attr)
                 if old is None:

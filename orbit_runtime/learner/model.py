@@ -18,6 +18,7 @@ from orbit_runtime.config import AdapterSpec
 from orbit_runtime.config.learner import LOGPROB_CHUNK_TOKENS
 from orbit_runtime.config.precision import canonical_dtype
 from orbit_runtime.errors import OrbitError
+from orbit_runtime.learner.colocated_base import SharedInt4Projection
 from orbit_runtime.learner.int4_base import load_int4_base
 from orbit_runtime.learner.int4_linear import Int4Linear
 from orbit_runtime.learner.moe import SparseMoeBlock, per_expert_peft_layout
@@ -74,7 +75,7 @@ class Policy:
     def base_memory(self) -> BaseMemory:
         packed = dense = count = 0
         for module in self.model.modules():
-            if isinstance(module, Int4Linear):
+            if isinstance(module, (Int4Linear, SharedInt4Projection)):
                 packed += module.weight_packed.nbytes + module.weight_scale.nbytes
                 count += module.in_features * module.out_features
         for name, tensor in [*self.model.named_parameters(), *self.model.named_buffers()]:
@@ -202,6 +203,17 @@ class Policy:
         config_path.write_text(json.dumps(config, indent=2))
         return out_dir
 
+    def adapter_export(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """The adapter as `save_pretrained` writes it, in memory: {PEFT tensor name: a copy} and the
+        adapter_config dict (what vLLM loads; placement colocated syncs it without files)."""
+        from peft import get_peft_model_state_dict
+
+        tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in get_peft_model_state_dict(self.model).items()}
+        config = self.model.peft_config["default"].to_dict()
+        config = {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
+        config["base_model_name_or_path"] = str(self.model_dir)
+        return tensors, config
+
     def load_adapter(self, adapter_dir: Path) -> None:
         """Load adapter weights written by save_adapter (a checkpoint's PEFT adapter), every tensor exactly."""
         from peft import set_peft_model_state_dict
@@ -267,11 +279,27 @@ def load_policy(model_dir: Path, adapter: AdapterSpec, dtype: str = "bf16", devi
                 lora_rounding: str = "fp32") -> Policy:  # fmt: skip
     """Load the INT4 base from MODEL_DIR onto DEVICE and wrap it with a fresh (zero) LoRA adapter
     (LORA_ROUNDING: see lora_config; the trainer passes learner.lora_rounding)."""
-    from peft import get_peft_model
-
     torch_dtype = parse_dtype(dtype)
     base, _ = load_int4_base(model_dir, torch_dtype)
     base.to(device)  # packed: moving the base costs ~1/4 of its bf16 size
+    return _with_adapter(base, adapter, torch_dtype, Path(model_dir), lora_rounding)
+
+
+def load_colocated_policy(model_dir: Path, adapter: AdapterSpec, shared: dict[str, torch.Tensor], isa_hint: str,
+                          dtype: str = "bf16", lora_rounding: str = "fp32") -> Policy:  # fmt: skip
+    """placement colocated: the base over SHARED, the rollout engine's own tensors (colocated_base.py),
+    with a fresh LoRA adapter. The adapter's weights are the policy's only parameters."""
+    from orbit_runtime.learner.colocated_base import build_colocated_base
+
+    torch_dtype = parse_dtype(dtype)
+    base = build_colocated_base(Path(model_dir), torch_dtype, shared, isa_hint)
+    return _with_adapter(base, adapter, torch_dtype, Path(model_dir), lora_rounding)
+
+
+def _with_adapter(base: nn.Module, adapter: AdapterSpec, torch_dtype: torch.dtype, model_dir: Path, lora_rounding: str) -> Policy:
+    """BASE (frozen) wrapped with a fresh PEFT LoRA ADAPTER: the Policy."""
+    from peft import get_peft_model
+
     present = {name.rsplit(".", 1)[-1] for name, m in base.named_modules() if isinstance(m, nn.Linear)}
     unknown = [t for t in adapter.target_modules if t not in present]
     if unknown:
@@ -283,7 +311,7 @@ def load_policy(model_dir: Path, adapter: AdapterSpec, dtype: str = "bf16", devi
         if param.requires_grad and "lora_" not in name:
             raise RuntimeError(f"base parameter {name} is trainable; only the adapter may be")
     model.eval()  # scoring mode unless an update runs under Policy.training() (PEFT returns it in train mode)
-    return Policy(model, torch_dtype, Path(model_dir))
+    return Policy(model, torch_dtype, model_dir)
 
 
 def load_dense_policy(model_dir: Path, adapter: AdapterSpec, dtype: str = "bf16", lora_rounding: str = "fp32") -> Policy:

@@ -203,6 +203,22 @@ LEARNER_STEP_ROLLBACKS = Counter(
     "Updates undone because publishing or syncing them failed (the run stops at the previous step).",
     registry=LEARNER_REGISTRY,
 )
+SHARED_BASE_BYTES = Gauge(
+    "orbit_shared_base_bytes", "placement colocated: bytes of the one base copy the learner maps from the rollout engine.",
+    registry=LEARNER_REGISTRY,
+)
+SHARED_BASE_ATTACH_DURATION = Histogram(
+    "orbit_shared_base_attach_seconds", "placement colocated: time to receive, map and verify the rollout engine's base.",
+    registry=LEARNER_REGISTRY,
+)
+SHARED_BASE_ATTACHES = Counter(
+    "orbit_shared_base_attaches_total", "placement colocated: times the learner attached to the rollout engine's base "
+    "(1 + rollout restarts).", registry=LEARNER_REGISTRY,
+)
+ROLLOUT_KV_CACHE_RELEASED = Gauge(
+    "orbit_rollout_kv_cache_released", "1 while the rollout engine's KV cache is freed for the learner's update "
+    "(placement colocated on a GPU).", registry=LEARNER_REGISTRY,
+)
 ROLLOUT_UP = Gauge("orbit_rollout_up", "1 if the rollout engine answered its last health check.", registry=LEARNER_REGISTRY)
 
 # ---- checkpoints -----------------------------------------------------------------------

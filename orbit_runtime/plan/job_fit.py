@@ -64,7 +64,7 @@ class JobFit:
             if layout.applicable and layout.fits and layout.groups and name != "full_finetune":
                 tight = layout.tightest
                 what = {"separate": f"separate copies split {layout.split}",
-                        "shared": "one shared copy (placement colocated, being built)"}[name]  # fmt: skip
+                        "shared": "one shared copy (placement: colocated)"}[name]  # fmt: skip
                 others.append(f"{what} would fit ({gib(tight.total)} of {gib(tight.usable)} GiB on its fullest GPU)")
         if others and not self.plan.node.is_cpu:
             lines.append(f"on {self.plan.node.name}: " + "; ".join(others))
@@ -101,8 +101,11 @@ def fit_job(arch: Architecture, request: PlanRequest) -> JobFit:
           rollout_rows(arch, base, request, 1, cpu=True))  # fmt: skip
     learner = roles["learner"].gpus
     shards = learner if request.learner_sharded and learner else 1
+    learner_cpu = learner_rows(arch, base, request, cpu=True)
+    if request.placement == "colocated":  # the rollout container holds the only copy; the learner maps it
+        learner_cpu = {**learner_cpu, "base_int4": 0, "base_16bit": 0}
     place("learner", shards if learner else 0, learner_rows(arch, base, request, shards) if learner else None,
-          learner_rows(arch, base, request, cpu=True))  # fmt: skip
+          learner_cpu)  # fmt: skip
     if request.reference_mode == "server":
         reference = roles["reference"].gpus
         place("reference", 1 if reference else 0, reference_rows(arch, base, request) if reference else None,

@@ -4,7 +4,7 @@
   reference server on a third if `reference.mode: server`; each holds a copy of the base.
 - shared: one copy of the base, on all GPUs (vLLM's shards); the learner computes on the same
   tensors, and the rollout (KV cache, vLLM scratch) and the update (activations, logits)
-  take turns with the memory between them (`placement: colocated`, being built).
+  take turns with the memory between them (`placement: colocated`; built for CPU, its GPU path is not).
 - full_finetune: the traditional scheme B, full-parameter bf16 training with AdamW, sharded
   over as many nodes as it needs.
 
@@ -195,9 +195,14 @@ def _separate(arch: Architecture, base: BaseWeights, request: PlanRequest, node:
 
 def shared_layout(arch: Architecture, base: BaseWeights, request: PlanRequest, node: Node) -> LayoutPlan:
     """One copy of the base on all GPUs; the learner sharded like vLLM, computing in vLLM's dtype."""
-    if node.is_cpu:
-        return LayoutPlan("shared", [], {}, ["the colocated placement shares GPU memory; on a CPU machine it is not planned"],
-                          applicable=False)  # fmt: skip
+    if node.is_cpu:  # placement colocated as built: the learner maps vLLM's base in host memory
+        computed = request.model_copy(update={"learner_dtype": request.dtype})
+        learner = {**learner_rows(arch, base, computed, cpu=True), "base_int4": 0, "base_16bit": 0}
+        rows = _sum_rows(rollout_rows(arch, base, computed, 1, cpu=True), learner)
+        notes = ["vLLM and the learner in host memory with one copy of the base (placement: colocated)"]
+        if request.learner_dtype != request.dtype:
+            notes.append(f"the learner computes in vLLM's dtype ({request.dtype}) on vLLM's tensors, not in {request.learner_dtype}")
+        return LayoutPlan("shared", [GpuGroup(("rollout", "learner"), 0, rows, node.usable_bytes)], {"shared": 0}, notes)
     n = max(k for k in range(1, node.gpus + 1) if valid_shards(arch, base, k))
     computed = request.model_copy(update={"learner_dtype": request.dtype, "tensor_parallel_size": n})
     rollout = rollout_rows(arch, base, computed, n)

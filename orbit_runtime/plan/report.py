@@ -67,6 +67,7 @@ def plan_json(plan: Plan) -> dict:
                         "logits_unchunked_bytes": update.logits_unchunked},
         **{name: layout_json(plan.layouts[name]) for name in LAYOUTS},
         "recommended": plan.recommended,
+        "recommended_placement": {"separate": "separate", "shared": "colocated"}.get(plan.recommended or ""),
     }  # fmt: skip
     doc["full_finetune"]["nodes"] = plan.layouts["full_finetune"].nodes
     doc["full_finetune"]["nodes_bf16_state"] = plan.nodes_bf16_state
@@ -139,4 +140,7 @@ def render(plan: Plan, console) -> None:
             console.print(f"  - {note}")
         if layout.host:
             console.print("  - host memory to load: " + ", ".join(f"{k} {gib(v)} GiB" for k, v in layout.host.items()))
-    console.print(f"recommended: {plan.recommended or 'no layout fits this node'}")
+    placement = {"separate": "placement: separate", "shared": "placement: colocated"}.get(plan.recommended or "")
+    if plan.recommended == "shared" and not plan.node.is_cpu:
+        placement += "; Orbit runs it on CPU only so far"
+    console.print(f"recommended: {plan.recommended or 'no layout fits this node'}" + (f" ({placement})" if placement else ""))

@@ -77,6 +77,9 @@ class PlanRequest(Frozen):
         "today's learner computes on one device."
     )
     reference_mode: Literal["shared", "server"] = "shared"
+    placement: Literal["separate", "colocated"] = Field(
+        "separate", description="colocated: the learner maps the rollout's base, so its container holds no copy."
+    )
     optimizer_steps: int = Field(1, ge=1, description="AdamW steps a batch (algorithm.minibatches x epochs_per_batch).")
     # the rollout
     dtype: Dtype = "bf16"
@@ -115,6 +118,7 @@ def from_job_spec(spec: JobSpec, **changes) -> PlanRequest:
         micro_batch_tokens=spec.learner.micro_batch_tokens, micro_batch_size=spec.learner.micro_batch_size,
         gradient_checkpointing=spec.learner.gradient_checkpointing,
         learner_dtype=spec.model.learner_dtype or spec.model.dtype, dtype=spec.model.dtype, reference_mode=spec.reference.mode,
+        placement=spec.placement,
         optimizer_steps=spec.algorithm.minibatches * spec.algorithm.epochs_per_batch,
         tensor_parallel_size=rollout.tensor_parallel_size, max_num_seqs=rollout.max_num_seqs,
         gpu_memory_utilization=rollout.gpu_memory_utilization,

@@ -34,14 +34,16 @@ from orbit_runtime.data.sampler import PromptSampler
 from orbit_runtime.int4.base_digest import read_base_digest
 from orbit_runtime.learner.device import resolve_device
 from orbit_runtime.learner.micro_batches import MicroBatchLimits
-from orbit_runtime.learner.model import load_policy
+from orbit_runtime.learner.model import Policy, load_policy
 from orbit_runtime.learner.update import UpdateResult, policy_update
 from orbit_runtime.observability import metrics
 from orbit_runtime.observability.peak_memory import PeakMemory
+from orbit_runtime.observability.process_memory import servers_pss
 from orbit_runtime.observability.server import MetricsServer
 from orbit_runtime.rewards.scoring import RewardScorer
 from orbit_runtime.run_paths import RunPaths
 from orbit_runtime.sync.adapter_sync import prune_adapters, publish_adapter
+from orbit_runtime.sync.memory_adapter import InMemoryAdapter
 from orbit_runtime.trainer.batch import BatchBuilder, RolloutBatch, canary_pairs
 from orbit_runtime.trainer.checkpoint_manager import CheckpointManager
 from orbit_runtime.trainer.checkpointing import (
@@ -52,6 +54,7 @@ from orbit_runtime.trainer.checkpointing import (
     restore_cuda_rng,
     restore_rng,
 )
+from orbit_runtime.trainer.colocated import ColocatedBase, load_colocated
 from orbit_runtime.trainer.evaluation import Evaluator, describe_eval, heldout_summary
 from orbit_runtime.trainer.on_policy import OffPolicy, OnPolicyGuard
 from orbit_runtime.trainer.recorder import RunRecorder, RunState, sample_rows, signal_health, status_document, step_row
@@ -100,8 +103,20 @@ class Trainer:
         self.learner_dtype = spec.model.learner_dtype or spec.model.dtype
         self.device = resolve_device(spec.learner.device)
         self.limits = MicroBatchLimits(spec.learner.micro_batch_tokens, spec.learner.micro_batch_size)
-        self.policy = load_policy(Path(spec.model.path), spec.adapter, dtype=self.learner_dtype, device=self.device,
-                                  lora_rounding=spec.learner.lora_rounding)  # fmt: skip
+        decode = (
+            DecodeCanary(spec.sync.decode_tokens, spec.rollout.temperature, spec.schedule.seed)
+            if spec.sync.decode_tokens
+            else None
+        )
+        # the run's API key: the pod's (ORBIT_API_KEY, from the job's Secret), or a new one for the child servers
+        self.api_key = api_key() or new_api_key()
+        server_config = rollout_server_config(spec, self.paths.logs / "vllm.log", self.device)
+        server_config.api_key = self.api_key
+        self.rollout = RolloutRole(server_config, canary_pairs(spec, self.tokenizer, self.splits.validation),
+                                   spec.sync.tolerance, spec.sync.retries, spec.rollout.max_restarts,
+                                   external.rollout_url, external.wait_s, decode)  # fmt: skip
+        self.shared_base: ColocatedBase | None = None
+        self.policy = self._load_policy()
         self.policy.set_gradient_checkpointing(spec.learner.gradient_checkpointing)
         self.peak_memory = PeakMemory(self.device)
         self.optimizer = torch.optim.AdamW(
@@ -117,18 +132,6 @@ class Trainer:
         self.state = RunState()
         self.recorder = RunRecorder(self.paths, self.state, spec.run.name, spec)
         self.stop = StopController()
-        decode = (
-            DecodeCanary(spec.sync.decode_tokens, spec.rollout.temperature, spec.schedule.seed)
-            if spec.sync.decode_tokens
-            else None
-        )
-        # the run's API key: the pod's (ORBIT_API_KEY, from the job's Secret), or a new one for the child servers
-        self.api_key = api_key() or new_api_key()
-        server_config = rollout_server_config(spec, self.paths.logs / "vllm.log", self.device)
-        server_config.api_key = self.api_key
-        self.rollout = RolloutRole(server_config, canary_pairs(spec, self.tokenizer, self.splits.validation),
-                                   spec.sync.tolerance, spec.sync.retries, spec.rollout.max_restarts,
-                                   external.rollout_url, external.wait_s, decode)  # fmt: skip
         self.on_policy = OnPolicyGuard.from_spec(spec.algorithm.max_mismatch, spec.algorithm.max_mismatch_steps)
         self.stop_reason: str | None = None
         self.off_policy: OffPolicy | None = None
@@ -141,14 +144,31 @@ class Trainer:
         self._probe_stop = threading.Event()
         self._restarts_written = (0, 0)  # (rollout, reference) restarts reflected in processes.json
         self._first_step_report: dict | None = None
+        self._phase_memory: dict = {}  # the last step's memory by phase (rollout, update)
         self.phase, self.max_steps = "starting", spec.schedule.steps
-        self._restore()
+        try:
+            self._restore()
+        except BaseException:
+            self.stop_roles()  # colocated: the engine was started to load the policy
+            raise
         removed = self.checkpoints.remove_torn()
         if removed:
             self.recorder.record({"kind": "checkpoint_cleanup", "removed_steps": removed})
             self._say(
                 f"removed torn checkpoint(s) of step {', '.join(map(str, removed))} under {self.checkpoints.uri} (never completed)"
             )
+
+    def _load_policy(self) -> Policy:
+        """The INT4 base + a fresh adapter; placement colocated: the rollout engine's base (trainer/colocated.py)."""
+        spec = self.spec
+        if spec.placement != "colocated":
+            return load_policy(Path(spec.model.path), spec.adapter, dtype=self.learner_dtype, device=self.device,
+                               lora_rounding=spec.learner.lora_rounding)  # fmt: skip
+        policy, self.shared_base = load_colocated(spec, self.rollout, self.device, self.learner_dtype)
+        attached = self.shared_base.attached
+        self._say(f"placement colocated: the learner computes on the rollout engine's base ({attached.arena.size / 2**20:.1f} MiB, "
+                  f"one copy, sealed read-only; vLLM's {attached.meta['kernel']} {attached.meta['isa_hint']})")  # fmt: skip
+        return policy
 
     # ---- checkpoints ---------------------------------------------------------------------
     def _restore(self) -> None:
@@ -221,14 +241,15 @@ class Trainer:
 
     # ---- roles ---------------------------------------------------------------------------
     def start_roles(self) -> None:
-        self.rollout.start()
+        if not self.rollout.started:  # colocated: started with the policy
+            self.rollout.start()
         floor = self.rollout.calibrate(self.policy, self.spec.model.dtype)
         tolerance = self.rollout.sync.tolerance
         self._say(f"canary noise floor {floor:.2e} mean |dlogp| ({self.spec.model.dtype}, base model on both engines); "
                   f"tolerance {tolerance:.2e}" + (" (sync.tolerance)" if self.spec.sync.tolerance else " (calibrated)"))  # fmt: skip
         if self.state.adapter_version > 0:  # resumed: serve the checkpoint's adapter version again
-            path, _ = publish_adapter(self.policy, self.paths.adapters, self.state.adapter_version)
-            self.rollout.publish(self.policy, self.state.adapter_version, path)
+            source, _ = self._adapter_source(self.state.adapter_version)
+            self.rollout.publish(self.policy, self.state.adapter_version, source)
         self.reference.start()
         metrics.ROLLOUT_UP.set(1)
         self.rollout.watch_health(self._probe_stop)
@@ -246,6 +267,8 @@ class Trainer:
         self.recorder.write_processes(roles)
 
     def stop_roles(self) -> None:
+        if self.shared_base is not None and self.rollout.started:
+            self.shared_base.final_check()
         self._probe_stop.set()
         self.rollout.stop()
         self.reference.stop()
@@ -275,10 +298,14 @@ class Trainer:
             indices = self.sampler.next_batch(self.spec.rollout.prompts_per_step)
             batch = self.builder.build(indices, [self.splits.train[i] for i in indices], state.step, timings)
             t = time.monotonic()
-            update = policy_update(self.policy, self.optimizer, batch.for_update(), self.loss_config,
-                                   temperature=self.spec.rollout.temperature, max_grad_norm=self.spec.schedule.max_grad_norm,
-                                   epochs=self.spec.algorithm.epochs_per_batch, minibatches=self.spec.algorithm.minibatches,
-                                   limits=self.limits, before_first_optimizer_step=before_optimizer_step)  # fmt: skip
+            phases = {"run_pss_rollout_phase_bytes": self._run_pss()}
+            with self.rollout.kv_cache_released() as released:  # colocated on a GPU: the KV cache takes turns
+                update = policy_update(self.policy, self.optimizer, batch.for_update(), self.loss_config,
+                                       temperature=self.spec.rollout.temperature, max_grad_norm=self.spec.schedule.max_grad_norm,
+                                       epochs=self.spec.algorithm.epochs_per_batch, minibatches=self.spec.algorithm.minibatches,
+                                       limits=self.limits, before_first_optimizer_step=before_optimizer_step)  # fmt: skip
+                phases |= {"run_pss_update_phase_bytes": self._run_pss(), "kv_cache_released": released}
+            self._phase_memory = {k: v for k, v in phases.items() if v is not None}
             lr = self.scheduler.get_last_lr()[0]
             self.scheduler.step()  # once per RL step (see ScheduleSpec)
             timings["train_s"] = time.monotonic() - t
@@ -295,15 +322,28 @@ class Trainer:
                     )
             raise
 
+    def _run_pss(self) -> int | None:
+        """PSS of this run's local processes, shared pages once (None: the roles are containers)."""
+        return servers_pss([self.rollout.server, self.reference.server])
+
+    def _adapter_source(self, version: int) -> tuple[Path | InMemoryAdapter, int]:
+        """What the rollout loads as VERSION, and its bytes: the published PEFT directory, or
+        (colocated) the adapter's tensors in memory, handed over without files."""
+        if self.shared_base is not None:
+            source = InMemoryAdapter(*self.policy.adapter_export())
+            return source, source.nbytes
+        return publish_adapter(self.policy, self.paths.adapters, version)
+
     def _commit(self, batch: RolloutBatch, update: UpdateResult, lr: float, timings: dict[str, float], started: float) -> dict:
         """Publish and serve the updated adapter, then record the step (the step row is written last)."""
         state = self.state
         t = time.monotonic()
         version = state.adapter_version + 1
-        path, size = publish_adapter(self.policy, self.paths.adapters, version)
-        sync = self.rollout.publish(self.policy, version, path)
+        source, size = self._adapter_source(version)
+        sync = self.rollout.publish(self.policy, version, source)
         timings["sync_s"] = time.monotonic() - t
-        prune_adapters(self.paths.adapters, version, keep=2)
+        if self.shared_base is None:
+            prune_adapters(self.paths.adapters, version, keep=2)
         state.adapter_version = version
         state.step += 1
         state.reward_errors += sum(batch.rewards.errors.values())
@@ -312,7 +352,8 @@ class Trainer:
         self.recorder.record_samples(sample_rows(state.step, batch, self.spec.rollout.group_size, self.spec.run.log_samples))
         restarts = {"rollout_restarts": self.rollout.restarts, "reference_restarts": self.reference.restarts}
         row = step_row(state.step, version, batch, update, sync, lr=lr, adapter_bytes=size, timings=timings,
-                       step_seconds=time.monotonic() - started, restarts=restarts, memory=self.peak_memory.read())  # fmt: skip
+                       step_seconds=time.monotonic() - started, restarts=restarts,
+                       memory={**self.peak_memory.read(), **self._phase_memory})  # fmt: skip
         on_policy, off_policy = self.on_policy.check(row, [*state.steps, row])
         row = self.recorder.record({**row, **on_policy})
         metrics.LEARNER_ADAPTER_VERSION.set(version)
@@ -439,6 +480,11 @@ class Trainer:
             "canary_noise_floor": self.rollout.noise_floor,
             "canary_inconclusive_syncs": sum(1 for r in self.state.steps if r.get("canary_verdict") == "inconclusive"),
             "on_policy": self.on_policy.health(),
+            "placement": self.spec.placement,
+            **({"shared_base_unchanged": self.shared_base.unchanged(), "shared_base_attaches": self.shared_base.attaches,
+                "shared_base_engine_on_shared_pages": self.shared_base.engine_on_shared_pages,
+                "shared_base_bytes": self.shared_base.attached.arena.size if self.shared_base.attached else None}
+               if self.shared_base else {}),
         })  # fmt: skip
 
     def _say(self, text: str) -> None:

@@ -10,11 +10,12 @@ verified against the canary expectations kept for THAT version.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -51,6 +52,7 @@ def rollout_server_config(spec: JobSpec, log_path: Path, learner_device: torch.d
     if utilization is None and learner_device is not None and learner_device.type == "cuda":
         utilization = SHARED_GPU_MEMORY_UTILIZATION
     return VLLMServerConfig(Path(spec.model.path), dtype=vllm_dtype(spec.model.dtype), max_lora_rank=spec.adapter.rank,
+                            colocated=spec.placement == "colocated",
                             max_model_len=rollout.max_model_len, kv_cache_gib=rollout.kv_cache_gib, seed=spec.schedule.seed,
                             log_path=log_path, gpu_memory_utilization=utilization,
                             tensor_parallel_size=rollout.tensor_parallel_size,
@@ -198,6 +200,7 @@ class RolloutRole(SupervisedRole):
         self.sync: AdapterSync | None = None
         self.failures_before = 0  # canary failures on servers that died
         self.current: tuple[int, Path] | None = None  # (version, path) served
+        self.after_restart_hooks: list[Callable[[], None]] = []  # run first after a restart (colocated: re-attach the base)
         self._expected: dict[int, list[torch.Tensor]] = {}  # canary expectations per published version
 
     def start(self) -> None:
@@ -234,7 +237,13 @@ class RolloutRole(SupervisedRole):
         if self.server is not None:
             self.server.stop()
 
+    @property
+    def started(self) -> bool:
+        return self.sync is not None
+
     def _after_restart(self) -> None:
+        for hook in self.after_restart_hooks:
+            hook()
         if self.current is not None:
             version, path = self.current
             self.sync.sync(version, path, self._expected[version])
@@ -282,6 +291,21 @@ class RolloutRole(SupervisedRole):
         """Does the engine answer its health check right now?"""
         client = self.client
         return client is not None and client.healthy()
+
+    @contextlib.contextmanager
+    def kv_cache_released(self) -> Iterator[bool]:
+        """While the learner updates: the engine frees its KV cache (colocated, GPU) and gets it back
+        afterwards, before the next rollout. Yields whether anything was released (never on CPU)."""
+        if not self.config.releases_kv_cache:
+            yield False
+            return
+        self.call(lambda client: client.release_kv_cache(), kind="sleep")
+        metrics.ROLLOUT_KV_CACHE_RELEASED.set(1)
+        try:
+            yield True
+        finally:
+            self.call(lambda client: client.wake_kv_cache(), kind="wake")
+            metrics.ROLLOUT_KV_CACHE_RELEASED.set(0)
 
     def publish(self, policy, version: int, path: Path) -> SyncResult:
         """Serve adapter VERSION (POLICY's current weights, published at PATH), verified on the canary

@@ -52,7 +52,7 @@ def test_plan_reads_a_config_json_a_model_directory_and_an_orbit_train_config(tm
                                                                                      "max_tokens": 20, "max_model_len": 100}}))
     doc = json.loads(orbit("plan", str(config), "--json", "--gpu", "cpu", "--host-memory-gib", "24").output)
     assert doc["job"]["prompts"] == 3 and doc["job"]["group"] == 5 and doc["job"]["prompt_tokens"] == 80
-    assert doc["node"]["name"] == "cpu" and doc["separate"]["fits"] and not doc["shared"]["applicable"]
+    assert doc["node"]["name"] == "cpu" and doc["separate"]["fits"] and doc["shared"]["fits"]  # placement colocated is built for CPU
 
 
 def test_plan_of_an_rljob_plans_its_own_pod(tmp_path):
@@ -62,7 +62,7 @@ def test_plan_of_an_rljob_plans_its_own_pod(tmp_path):
     assert doc["node"]["name"] == "8 x H200"  # from the job's nodeSelector
     # its pod: rollout on 4 GPUs, the learner on one of its 4 (today's learner): the whole base on one H200
     assert doc["job_fit"]["fits"] is False and "learner on 1 x H200 needs" in doc["job_fit"]["message"]
-    assert "one shared copy (placement colocated, being built) would fit" in doc["job_fit"]["message"]  # what would
+    assert "one shared copy (placement: colocated) would fit" in doc["job_fit"]["message"]  # what would
     human = orbit("plan", str(path))
     assert "this job's pod" in human.output and "does not fit" in human.output, human.output
 
