@@ -10,6 +10,13 @@ INT4 base plus a LoRA adapter:
   traditional            learner = the original 16-bit weights + the same adapter (what a
                          learner that trains on the 16-bit checkpoint while vLLM serves an
                          INT4 copy sees), with PEFT's forward
+and, on a second vLLM server started for `placement: colocated` (vLLM's W4A16 CPU kernel,
+which colocated engines run; on AMX CPUs vLLM's default for bf16 is a W4A8 kernel):
+  colocated              learner = vLLM's own weight pages and INT4 kernel + the same adapter
+                         (vLLM's LoRA rounding): placement colocated
+  separate_same_kernel   learner = orbit_vllm_rounding's (the checkpoint dequantized by Orbit)
+                         scoring the colocated server's tokens: separate placement against an
+                         engine with the same kernel, so kernel choice and sharing show apart
 Run for bf16 and fp16 (vLLM and learner in the same dtype), for each --seeds (a seed draws
 the adapter and the prompts), on the random-init demo model and on the warmed-up one that
 `make demo` trains (--models). Per run: mean, p99 and max |dlogp| over the sampled tokens,
@@ -36,7 +43,7 @@ from pathlib import Path
 from benchmark_output import emit_json
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
-SCHEMES = ("orbit_vllm_rounding", "orbit_fp32_lora", "traditional")
+SCHEMES = ("orbit_vllm_rounding", "orbit_fp32_lora", "traditional", "colocated", "separate_same_kernel")
 
 
 def sample_prompts(count: int, vocab: int, seed: int) -> list[list[int]]:
@@ -133,7 +140,56 @@ def run_dtype(dtype: str, src: Path, int4: Path, args: argparse.Namespace, workd
             )
             runs.append(run)
         client.close()
-    return {"runs": runs, "summary": summarize(runs), "kernels": kernels(log)}
+    colocated_log = workdir / f"vllm-{dtype}-colocated.log"
+    for run, (_name, stats) in zip(runs, colocated_runs(dtype, int4, args, workdir, learners, colocated_log), strict=True):
+        run.update(stats)
+        # the fair ratio: both learners against the same engine (the colocated one's W4A16 kernel)
+        run["ratio_separate_over_colocated"] = round(run["separate_same_kernel"]["mean_abs_dlogp"] / run["colocated"]["mean_abs_dlogp"], 2)
+        # and what a separate run sees against vLLM's default kernel (W4A8 for bf16 on AMX CPUs)
+        run["ratio_default_engine_separate_over_colocated"] = round(
+            run["orbit_vllm_rounding"]["mean_abs_dlogp"] / run["colocated"]["mean_abs_dlogp"], 2
+        )
+    return {"runs": runs, "summary": summarize(runs), "kernels": kernels(log), "colocated_kernels": kernels(colocated_log)}
+
+
+def colocated_runs(dtype: str, int4: Path, args: argparse.Namespace, workdir: Path, learners: dict, log: Path):
+    """Per seed: the colocated learner and the separate one on tokens a colocated-mode server sampled."""
+    import torch
+
+    from orbit_runtime.config import AdapterSpec
+    from orbit_runtime.learner.model import load_colocated_policy
+    from orbit_runtime.rollout.client import RolloutClient, adapter_name
+    from orbit_runtime.rollout.server import VLLMServer, VLLMServerConfig
+    from orbit_runtime.shared_base.attach import attach_shared_base
+
+    config = VLLMServerConfig(int4, dtype=DTYPES[dtype], max_lora_rank=args.rank, log_path=log, max_loras=len(args.seeds) + 1,
+                              colocated=True)  # fmt: skip
+    out = []
+    with VLLMServer(config) as server:
+        client = RolloutClient(server.base_url)
+        attached = attach_shared_base(client)
+        colocated = load_colocated_policy(int4, AdapterSpec(rank=args.rank, alpha=2 * args.rank), attached.tensors,
+                                          attached.meta["isa_hint"], dtype=dtype, lora_rounding="vllm")  # fmt: skip
+        separate, reference = learners["orbit_vllm_rounding"], learners["orbit_fp32_lora"]
+        for index, seed in enumerate(args.seeds):
+            reference.init_adapter_randomly(std=args.adapter_std, seed=seed)
+            for learner in (colocated, separate):
+                learner.load_adapter_state(reference.adapter_state())
+            name = adapter_name(index + 1)
+            client.load_adapter(name, reference.save_adapter(workdir / f"adapter-{dtype}-{seed}-colocated"))
+            groups = client.generate(sample_prompts(args.prompts, args.prompt_vocab, seed), model=name,
+                                     n=args.samples_per_prompt, max_tokens=args.max_tokens, temperature=1.0, seed=seed,
+                                     ignore_eos=True)  # fmt: skip
+            completions = [c for group in groups for c in group]
+            pairs = [(c.prompt_ids, c.token_ids) for c in completions]
+            rollout = [torch.tensor(c.logprobs) for c in completions]
+            with torch.no_grad():
+                stats = {"colocated": token_stats(colocated.completion_logprobs(pairs), rollout),
+                         "separate_same_kernel": token_stats(separate.completion_logprobs(pairs), rollout)}  # fmt: skip
+            out.append((name, stats))
+        client.close()
+        attached.close()
+    return out
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -146,7 +202,8 @@ def summarize(runs: list[dict]) -> dict:
     for scheme in SCHEMES:
         out[scheme] = {key: spread([r[scheme][key] for r in runs]) for key in ("mean_abs_dlogp", "p99_abs_dlogp", "max_abs_dlogp",
                                                                               "sequence_log_ratio_std")}  # fmt: skip
-    for ratio in ("ratio_traditional_over_orbit", "ratio_fp32_lora_over_vllm_rounding"):
+    for ratio in ("ratio_traditional_over_orbit", "ratio_fp32_lora_over_vllm_rounding", "ratio_separate_over_colocated",
+                  "ratio_default_engine_separate_over_colocated"):
         out[ratio] = spread([r[ratio] for r in runs])
     return out
 
