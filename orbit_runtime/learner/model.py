@@ -84,6 +84,16 @@ class Policy:
             dense += tensor.nbytes
         return BaseMemory(packed_bytes=packed, dense_bytes=dense, quantized_params=count)
 
+    def base_tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the frozen base (parameters and buffers that are not the adapter's), each once."""
+        seen, out = set(), []
+        for name, tensor in [*self.model.named_parameters(), *self.model.named_buffers()]:
+            if "lora_" in name or tensor is None or id(tensor) in seen:
+                continue
+            seen.add(id(tensor))
+            out.append(tensor)
+        return out
+
     def token_logprobs(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, temperature: float = 1.0
     ) -> torch.Tensor:

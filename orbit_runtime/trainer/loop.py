@@ -322,6 +322,11 @@ class Trainer:
                     )
             raise
 
+    def _private_base_bytes(self) -> int:
+        """Bytes of the base this learner holds in its own memory (colocated: what is not the engine's pages)."""
+        mapped = self.shared_base.attached.mapped if self.shared_base and self.shared_base.attached else None
+        return sum(t.nbytes for t in self.policy.base_tensors() if mapped is None or not mapped.holds(t))
+
     def _run_pss(self) -> int | None:
         """PSS of this run's local processes, shared pages once (None: the roles are containers)."""
         return servers_pss([self.rollout.server, self.reference.server])
@@ -481,6 +486,7 @@ class Trainer:
             "canary_inconclusive_syncs": sum(1 for r in self.state.steps if r.get("canary_verdict") == "inconclusive"),
             "on_policy": self.on_policy.health(),
             "placement": self.spec.placement,
+            "learner_private_base_bytes": self._private_base_bytes(),
             **({"shared_base_unchanged": self.shared_base.unchanged(), "shared_base_attaches": self.shared_base.attaches,
                 "shared_base_engine_on_shared_pages": self.shared_base.engine_on_shared_pages,
                 "shared_base_bytes": self.shared_base.attached.arena.size if self.shared_base.attached else None}

@@ -289,9 +289,11 @@ def _ensure_base_in_cache(cluster: Cluster, spec: RLTrainingJobSpec) -> Path:
     `orbit prepare-base` command a pod's init container runs (tests/e2e/node.py's mounts aside)."""
     cache = cluster.cache_root / base_cache_dir(spec, NS)
     if not (cache / "model" / "config.json").is_file():
-        subprocess.run([sys.executable, "-m", "orbit_runtime.cli", "prepare-base", "--cache", str(cache), "--format", spec.base.format,
-                        "--group-size", str(spec.base.groupSize), "--source", spec.base.uri],
-                       env={**os.environ, **cluster.s3_env}, check=True, capture_output=True)  # fmt: skip
+        cache.mkdir(parents=True, exist_ok=True)  # the pod's subPath mount creates it (a test run alone has no job A)
+        done = subprocess.run([sys.executable, "-m", "orbit_runtime.cli", "prepare-base", "--cache", str(cache), "--format",
+                               spec.base.format, "--group-size", str(spec.base.groupSize), "--source", spec.base.uri],
+                              env={**os.environ, **cluster.s3_env}, capture_output=True, text=True)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
     return cache / "model"
 
 
@@ -352,13 +354,14 @@ def test_a_colocated_job_trains_on_the_rollouts_own_base_through_kubectl_apply(c
     _ensure_base_in_cache(cluster, spec)
     cluster.apply("job-c", 3, placement="colocated", model={"dtype": "fp16"}, reference={"mode": "shared"})
     cluster.wait(lambda: cluster.status("job-c").get("phase") == "Succeeded", "job-c Succeeded", 900, pod="job-c-0")
-    log = cluster.node.log(NS, "job-c-0", "learner")
+    log = " ".join(cluster.node.log(NS, "job-c-0", "learner").split())  # rich's log lines are wrapped
     assert "placement colocated: the learner computes on the rollout engine's base" in log, log[-2000:]
     steps = [r for r in cluster.steps("job-c-0") if r["kind"] == "step"]
     assert [s["adapter_version"] for s in steps] == [1, 2, 3]
     assert all(s["canary_verdict"] in ("verified", "inconclusive") for s in steps), [s["canary_verdict"] for s in steps]
     summary = json.loads(next(cluster.node.root.glob(f"pods/{NS}_job-c-0_*/volumes/run/*/summary.json")).read_text())
     assert summary["placement"] == "colocated" and summary["shared_base_unchanged"] is True, summary
+    assert summary["shared_base_engine_on_shared_pages"] is True and summary["learner_private_base_bytes"] < 4096, summary
     adapters = list(cluster.node.root.glob(f"pods/{NS}_job-c-0_*/volumes/adapters/*"))
     assert not adapters, adapters  # in memory, not through the adapters volume
 

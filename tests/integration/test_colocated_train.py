@@ -67,6 +67,9 @@ def test_colocated_run_learns_in_memory_and_survives_the_engine_dying(tmp_path, 
     assert summary["placement"] == "colocated" and summary["steps"] == 8, summary
     assert summary["rollout_restarts"] == 1 and summary["shared_base_attaches"] == 2, summary
     assert summary["shared_base_unchanged"] is True  # nothing wrote to the base in 8 updates
+    assert summary["shared_base_engine_on_shared_pages"] is True  # and vLLM still computes from those pages
+    # the learner's own base memory is the rotary tables: everything else is the engine's pages
+    assert summary["learner_private_base_bytes"] < 0.01 * summary["shared_base_bytes"], summary
     assert summary["heldout_accuracy_before"] < 0.2 and summary["heldout_accuracy_after"] > 0.7, summary
     steps = _steps(run)
     assert [s["adapter_version"] for s in steps] == list(range(1, 9))
