@@ -4,6 +4,7 @@ On vLLM's CPU build it registers `CpuInt4Qwen3MoeForCausalLM` for the `Qwen3MoeF
 architecture: the stock model cannot run INT4 experts or MoE LoRA there (see
 `vllm_cpu_moe.py`). On GPU it does nothing, so vLLM's own fused MoE model serves.
 Set ORBIT_VLLM_CPU_MOE=0 to keep vLLM's model on CPU too (e.g. on a CPU with AMX).
+With VLLM_CPU_INT4_W4A8=0 (colocated engines) it also asks Linux for the AMX state.
 """
 
 from __future__ import annotations
@@ -11,17 +12,25 @@ from __future__ import annotations
 import logging
 import os
 
+from orbit_runtime.rollout.server import W4A16_ENV
+
 CPU_MOE_MODELS = {"Qwen3MoeForCausalLM": "orbit_runtime.rollout.vllm_cpu_moe:CpuInt4Qwen3MoeForCausalLM"}
 log = logging.getLogger(__name__)
 
 
 def register() -> None:
     """Called by vLLM at start-up in each of its processes."""
-    if os.environ.get("ORBIT_VLLM_CPU_MOE", "1") == "0":
-        return
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
+        return
+    if os.environ.get(W4A16_ENV) == "0":
+        # vLLM's W4A16 kernel runs AMX instructions for bf16 without asking Linux for the AMX state
+        # (its W4A8 default path does): the worker would die of SIGILL on its first forward
+        from orbit_runtime.int4.vllm_cpu_kernel import enable_amx
+
+        enable_amx()
+    if os.environ.get("ORBIT_VLLM_CPU_MOE", "1") == "0":
         return
     from vllm import ModelRegistry
 

@@ -37,6 +37,8 @@ def colocated_engine(request, int4_dir, tmp_path_factory):
                               colocated=True)  # fmt: skip
     with VLLMServer(config) as server:
         client = RolloutClient(server.base_url, api_key=API_KEY)
+        # the engine generates before anything of Orbit's ran in its worker (bf16 on AMX: the plugin's enable_amx)
+        assert len(client.generate([[5, 6, 7]], n=2, max_tokens=4, seed=0)[0]) == 2
         attached = attach_shared_base(client, timeout_s=120)
         yield request.param, client, attached, server
         attached.close()
