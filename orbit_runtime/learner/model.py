@@ -218,7 +218,10 @@ class Policy:
         adapter_config dict (what vLLM loads; placement colocated syncs it without files)."""
         from peft import get_peft_model_state_dict
 
-        tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in get_peft_model_state_dict(self.model).items()}
+        from orbit_runtime.shared_base.arena import memcpy_clone
+
+        state = get_peft_model_state_dict(self.model)
+        tensors = {k: memcpy_clone(v.detach().cpu()) for k, v in state.items()}
         config = self.model.peft_config["default"].to_dict()
         config = {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
         config["base_model_name_or_path"] = str(self.model_dir)

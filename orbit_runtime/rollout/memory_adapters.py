@@ -16,7 +16,7 @@ from collections import OrderedDict
 
 import torch
 
-from orbit_runtime.shared_base.arena import Arena, map_arena
+from orbit_runtime.shared_base.arena import Arena, map_arena, memcpy_clone
 
 MEMORY_PREFIX = "/orbit-memory/"  # absolute, so vLLM never takes it for a Hugging Face repo id
 MAX_STAGED = 16  # a bound on versions staged and never unstaged (a learner that died mid-sync); unloads unstage
@@ -39,7 +39,7 @@ class MemoryAdapters:
 
     def stage(self, name: str, arena: Arena, config: dict) -> int:
         """Copy the arena's tensors into this worker's memory (the arena is closed after)."""
-        tensors = {k: v.clone() for k, v in map_arena(arena).tensors.items()}
+        tensors = {k: memcpy_clone(v) for k, v in map_arena(arena).tensors.items()}
         self.staged[name] = (tensors, config)
         self.staged.move_to_end(name)
         while len(self.staged) > MAX_STAGED:
@@ -58,7 +58,7 @@ class MemoryAdapters:
             raise FileNotFoundError(f"adapter {name!r} was not staged in memory (orbit_stage_adapter)")
         staged, config = self.staged[name]
         # a copy per load: vLLM scales LoRA weights in place (optimize()), and may load a name again
-        tensors = {k: v.clone() for k, v in staged.items()}
+        tensors = {k: memcpy_clone(v) for k, v in staged.items()}
         peft_helper = PEFTHelper.from_dict({**config, "vllm_max_position_embeddings": manager.max_position_embeddings})
         peft_helper.validate_legal(manager.lora_config)
         adapters = manager._adapter_manager

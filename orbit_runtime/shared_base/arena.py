@@ -20,6 +20,7 @@ import warnings
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 
 ALIGNMENT = 256  # bytes between tensors: aligned for any SIMD load the kernels do
@@ -68,6 +69,18 @@ class Arena:
             self.fd = -1
 
 
+def raw_bytes(tensor: torch.Tensor) -> np.ndarray:
+    """TENSOR's bytes as a uint8 numpy view (contiguous CPU tensors: no copy)."""
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def memcpy_clone(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of a CPU tensor made by one memcpy (numpy), not by a torch op. Hundreds of small
+    torch copies each wake torch's intra-op thread pool; on a busy 2-core machine that turned
+    an adapter's few MB into a second."""
+    return torch.from_numpy(raw_bytes(tensor).copy()).view(tensor.dtype).view(tensor.shape)
+
+
 def _aligned(n: int) -> int:
     return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
 
@@ -100,15 +113,13 @@ def build_arena(tensors: Iterable[tuple[str, torch.Tensor]], label: str = "orbit
         arena = Arena(fd, size, entries)
         mapped = _map(arena)
         with mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) as writable:
-            target = torch.frombuffer(writable, dtype=torch.uint8)
+            target = np.frombuffer(writable, dtype=np.uint8)  # copies by memcpy (see memcpy_clone)
             for (_, tensor), entry in zip(tensors, entries, strict=True):
                 if entry.nbytes:
-                    source = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-                    target[entry.offset : entry.offset + entry.nbytes].copy_(source)
-                    del source
+                    target[entry.offset : entry.offset + entry.nbytes] = raw_bytes(tensor)
                 if move:
                     tensor.data = mapped.tensors[entry.name]
-            del target  # the writable mapping can close only once no tensor views it
+            del target  # the writable mapping can close only once nothing views it
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
         # A mapping made before the seal could still be made writable (mprotect); one made after it
         # cannot. The moved tensors move once more, onto the sealed mapping; the first one goes.
