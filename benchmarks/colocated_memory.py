@@ -42,7 +42,7 @@ from pathlib import Path
 
 import yaml
 from benchmark_output import emit_json
-from memory import build_model
+from memory import add_shape_arguments, build_model
 
 from orbit_runtime.observability.process_memory import mapping_pss_bytes, process_tree, total_pss_bytes
 
@@ -131,10 +131,7 @@ def run(config: Path, placement: str) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--intermediate", type=int, default=4096)
-    parser.add_argument("--layers", type=int, default=24)
-    parser.add_argument("--vocab", type=int, default=32000)
+    add_shape_arguments(parser)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args(argv)

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from benchmark_output import emit_json
 from colocated_memory import build_base
+from memory import add_shape_arguments
 
 
 def spread(values: list[float]) -> dict:
@@ -34,10 +35,7 @@ def spread(values: list[float]) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--intermediate", type=int, default=4096)
-    parser.add_argument("--layers", type=int, default=24)
-    parser.add_argument("--vocab", type=int, default=32000)
+    add_shape_arguments(parser)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=8)
     args = parser.parse_args(argv)

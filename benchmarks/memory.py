@@ -120,6 +120,14 @@ def run_worker(command: list[str], env: dict[str, str]) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
+    """--hidden, --intermediate, --layers, --vocab: the model build_model writes (398M parameters by default)."""
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--intermediate", type=int, default=4096)
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--vocab", type=int, default=32000)
+
+
 def build_model(out: Path, args: argparse.Namespace) -> int:
     """Write a random Qwen2-shape bf16 checkpoint; returns its parameter count."""
     import torch
@@ -147,10 +155,7 @@ def build_model(out: Path, args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--intermediate", type=int, default=4096)
-    parser.add_argument("--layers", type=int, default=24)
-    parser.add_argument("--vocab", type=int, default=32000)
+    add_shape_arguments(parser)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--rank", type=int, default=16)

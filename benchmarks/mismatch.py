@@ -94,6 +94,16 @@ def kernels(log_path: Path) -> dict:
     return {"vllm": vllm, "learner_onednn_matmul": learner, "torch_cpu_capability": torch.backends.cpu.get_cpu_capability()}
 
 
+def sample(client, name: str, seed: int, args: argparse.Namespace) -> tuple[list, list]:
+    """The seed's prompts sampled under adapter NAME: (prompt, completion) pairs and vLLM's log-probs."""
+    import torch
+
+    groups = client.generate(sample_prompts(args.prompts, args.prompt_vocab, seed), model=name, n=args.samples_per_prompt,
+                             max_tokens=args.max_tokens, temperature=1.0, seed=seed, ignore_eos=True)  # fmt: skip
+    completions = [c for group in groups for c in group]
+    return [(c.prompt_ids, c.token_ids) for c in completions], [torch.tensor(c.logprobs) for c in completions]
+
+
 def run_dtype(dtype: str, src: Path, int4: Path, args: argparse.Namespace, workdir: Path) -> dict:
     """One vLLM server in DTYPE; every seed's adapter is loaded into it under its own name."""
     import torch
@@ -122,12 +132,7 @@ def run_dtype(dtype: str, src: Path, int4: Path, args: argparse.Namespace, workd
             name = adapter_name(index + 1)
             client.load_adapter(name, reference.save_adapter(workdir / f"adapter-{dtype}-{seed}"))
             started = time.monotonic()
-            groups = client.generate(sample_prompts(args.prompts, args.prompt_vocab, seed), model=name,
-                                     n=args.samples_per_prompt, max_tokens=args.max_tokens, temperature=1.0, seed=seed,
-                                     ignore_eos=True)  # fmt: skip
-            completions = [c for group in groups for c in group]
-            pairs = [(c.prompt_ids, c.token_ids) for c in completions]
-            rollout = [torch.tensor(c.logprobs) for c in completions]
+            pairs, rollout = sample(client, name, seed, args)
             run: dict = {"seed": seed, "generate_seconds": round(time.monotonic() - started, 2)}
             with torch.no_grad():
                 for scheme, learner in learners.items():
@@ -177,12 +182,7 @@ def colocated_runs(dtype: str, int4: Path, args: argparse.Namespace, workdir: Pa
                 learner.load_adapter_state(reference.adapter_state())
             name = adapter_name(index + 1)
             client.load_adapter(name, reference.save_adapter(workdir / f"adapter-{dtype}-{seed}-colocated"))
-            groups = client.generate(sample_prompts(args.prompts, args.prompt_vocab, seed), model=name,
-                                     n=args.samples_per_prompt, max_tokens=args.max_tokens, temperature=1.0, seed=seed,
-                                     ignore_eos=True)  # fmt: skip
-            completions = [c for group in groups for c in group]
-            pairs = [(c.prompt_ids, c.token_ids) for c in completions]
-            rollout = [torch.tensor(c.logprobs) for c in completions]
+            pairs, rollout = sample(client, name, seed, args)
             with torch.no_grad():
                 stats = {"colocated": token_stats(colocated.completion_logprobs(pairs), rollout),
                          "separate_same_kernel": token_stats(separate.completion_logprobs(pairs), rollout)}  # fmt: skip
