@@ -350,19 +350,19 @@ def test_second_job_reuses_the_base_is_scraped_by_prometheus_suspends_and_resume
 def test_a_colocated_job_trains_on_the_rollouts_own_base_through_kubectl_apply(cluster: Cluster):
     """placement: colocated in a pod: the learner container maps the rollout container's weight pages
     (the socket in the /dev/shm volume both mount), adapters reach vLLM in memory, no reference server."""
-    spec = RLTrainingJobSpec.model_validate(job_spec(cluster.bucket, "job-c", 3))
+    spec = RLTrainingJobSpec.model_validate(job_spec(cluster.bucket, "job-d", 3))
     _ensure_base_in_cache(cluster, spec)
-    cluster.apply("job-c", 3, placement="colocated", model={"dtype": "fp16"}, reference={"mode": "shared"})
-    cluster.wait(lambda: cluster.status("job-c").get("phase") == "Succeeded", "job-c Succeeded", 900, pod="job-c-0")
-    log = " ".join(cluster.node.log(NS, "job-c-0", "learner").split())  # rich's log lines are wrapped
+    cluster.apply("job-d", 3, placement="colocated", model={"dtype": "fp16"}, reference={"mode": "shared"})
+    cluster.wait(lambda: cluster.status("job-d").get("phase") == "Succeeded", "job-d Succeeded", 900, pod="job-d-0")
+    log = " ".join(cluster.node.log(NS, "job-d-0", "learner").split())  # rich's log lines are wrapped
     assert "placement colocated: the learner computes on the rollout engine's base" in log, log[-2000:]
-    steps = [r for r in cluster.steps("job-c-0") if r["kind"] == "step"]
+    steps = [r for r in cluster.steps("job-d-0") if r["kind"] == "step"]
     assert [s["adapter_version"] for s in steps] == [1, 2, 3]
     assert all(s["canary_verdict"] in ("verified", "inconclusive") for s in steps), [s["canary_verdict"] for s in steps]
-    summary = json.loads(next(cluster.node.root.glob(f"pods/{NS}_job-c-0_*/volumes/run/*/summary.json")).read_text())
+    summary = json.loads(next(cluster.node.root.glob(f"pods/{NS}_job-d-0_*/volumes/run/*/summary.json")).read_text())
     assert summary["placement"] == "colocated" and summary["shared_base_unchanged"] is True, summary
     assert summary["shared_base_engine_on_shared_pages"] is True and summary["learner_private_base_bytes"] < 4096, summary
-    adapters = list(cluster.node.root.glob(f"pods/{NS}_job-c-0_*/volumes/adapters/*"))
+    adapters = list(cluster.node.root.glob(f"pods/{NS}_job-d-0_*/volumes/adapters/*"))
     assert not adapters, adapters  # in memory, not through the adapters volume
 
 
