@@ -21,7 +21,7 @@ from torch import nn
 
 from orbit_runtime.errors import OrbitError
 from orbit_runtime.int4.vllm_cpu_kernel import dequantize_transposed, wna16_linear
-from orbit_runtime.learner.int4_base import materialise_rotary, meta_model, set_submodule, tie, tied_weight_keys
+from orbit_runtime.learner.int4_base import finish_frozen, meta_model, set_submodule, tie, tied_weight_keys
 from orbit_runtime.learner.moe import MOE_BLOCK_CLASSES
 
 # vLLM's fused INT4 linear -> (its parent in a decoder layer, transformers' linears it fuses, in order)
@@ -186,12 +186,7 @@ def build_colocated_base(model_dir, dtype: torch.dtype, shared: dict[str, torch.
     unused = sorted(set(shared) - used)
     if unused:
         raise OrbitError(f"the rollout engine's model has tensors the learner's {config.model_type} does not: {unused[:5]}")
-    materialise_rotary(model, config)
-    still_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-    if still_meta:
-        raise OrbitError(f"the rollout engine's model lacks tensors the learner needs: {still_meta[:5]}")
-    model.requires_grad_(False)
-    model.eval()
+    finish_frozen(model, config, lambda names: OrbitError(f"the rollout engine's model lacks tensors the learner needs: {names}"))
     return model
 
 

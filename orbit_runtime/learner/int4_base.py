@@ -170,10 +170,16 @@ def load_int4_base(model_dir: Path, dtype: torch.dtype) -> tuple[nn.Module, Quan
     for target, source in both_stored:  # tie only identical copies, as transformers does
         if torch.equal(model.get_parameter(target), model.get_parameter(source)):
             tie(model, target, source)
+    finish_frozen(model, config, lambda names: RuntimeError(f"tensors left unloaded on the meta device: {names}"))
+    return model, info
+
+
+def finish_frozen(model: nn.Module, config, lacking) -> None:
+    """The last steps of building a frozen base: rotary tables, no tensor left on the meta device
+    (else raise LACKING(first names)), no gradients, eval mode."""
     materialise_rotary(model, config)
     still_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if still_meta:
-        raise RuntimeError(f"tensors left unloaded on the meta device: {still_meta[:5]}")
+        raise lacking(still_meta[:5])
     model.requires_grad_(False)
     model.eval()
-    return model, info
