@@ -62,12 +62,14 @@ class RoutingSpec:
 
 def select_experts(router_logits: torch.Tensor, spec: RoutingSpec, correction_bias: torch.Tensor | None = None):
     """Router logits [N, E] -> (weights [N, k] float32, expert ids [N, k]). Pure: the rollout uses it too."""
+    ids = choose_experts(router_logits, spec, correction_bias)
+    return gate_weights(router_logits, ids, spec), ids
+
+
+def choose_experts(router_logits: torch.Tensor, spec: RoutingSpec, correction_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Which K experts each token goes to: router logits [N, E] -> expert ids [N, k] (no gradient)."""
     if spec.scoring == "softmax":
-        scores = torch.softmax(router_logits.float(), dim=-1)
-        weights, ids = torch.topk(scores, spec.top_k, dim=-1)
-        if spec.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights, ids
+        return torch.topk(torch.softmax(router_logits.float(), dim=-1), spec.top_k, dim=-1).indices
     scores = router_logits.float().sigmoid()
     choice = scores + correction_bias.float() if correction_bias is not None else scores
     if spec.num_groups > 1:
@@ -76,8 +78,20 @@ def select_experts(router_logits: torch.Tensor, spec: RoutingSpec, correction_bi
         groups = torch.topk(group_scores, spec.topk_groups, dim=-1, sorted=False).indices
         keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
         choice = choice.masked_fill(~keep.repeat_interleave(spec.num_experts // spec.num_groups, dim=1), float("-inf"))
-    ids = torch.topk(choice, spec.top_k, dim=-1, sorted=False).indices
-    weights = scores.gather(1, ids)
+    return torch.topk(choice, spec.top_k, dim=-1, sorted=False).indices
+
+
+def gate_weights(router_logits: torch.Tensor, ids: torch.Tensor, spec: RoutingSpec) -> torch.Tensor:
+    """The weights of experts IDS [N, k] from router logits [N, E]: float32 [N, k], differentiable in the logits.
+
+    Separate from the choice so routing replay can weight the rollout's experts by the learner's
+    own scores (R3): softmax scores renormalised over the chosen k (Qwen3-MoE with norm_topk_prob),
+    or sigmoid scores renormalised and scaled (DeepSeek-V3).
+    """
+    if spec.scoring == "softmax":
+        weights = torch.softmax(router_logits.float(), dim=-1).gather(1, ids)
+        return weights / weights.sum(dim=-1, keepdim=True) if spec.renormalize else weights
+    weights = router_logits.float().sigmoid().gather(1, ids)
     if spec.renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * spec.scaling_factor, ids
+    return weights * spec.scaling_factor

@@ -21,7 +21,9 @@ from orbit_runtime.errors import OrbitError
 from orbit_runtime.learner.colocated_base import SharedInt4Projection
 from orbit_runtime.learner.int4_base import load_int4_base
 from orbit_runtime.learner.int4_linear import Int4Linear
+from orbit_runtime.learner.grouped_experts import stack_expert_weights
 from orbit_runtime.learner.moe import SparseMoeBlock, per_expert_peft_layout
+from orbit_runtime.learner.routing_replay import RoutedExperts
 from orbit_runtime.learner.token_logprobs import chunked_token_logprobs
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -155,6 +157,38 @@ class Policy:
         flat = self.logprobs_at(ids.to(device), mask.to(device), torch.tensor(rows, device=device, dtype=torch.long),
                                 torch.tensor(positions, device=device, dtype=torch.long), temperature)  # fmt: skip
         return list(flat.split([len(c) for _, c in pairs]))
+
+    def moe_blocks(self) -> list[SparseMoeBlock]:
+        return [m for m in self.model.modules() if isinstance(m, SparseMoeBlock)]
+
+    def routed_experts_for(self, pairs, routing, mode: str = "replay") -> RoutedExperts:
+        """The rollout's ROUTING ([positions, layers, k] per sample, or None) laid out for a forward of
+        PAIRS as completion_logprobs pads them; install it with `routed`."""
+        config = self.model.config
+        top_k = self.moe_blocks()[0].gate.spec.top_k
+        return RoutedExperts(pairs, routing, config.num_hidden_layers, top_k, mode=mode, device=self.device)
+
+    @contextlib.contextmanager
+    def routed(self, routed: RoutedExperts | None) -> Iterator[None]:
+        """Every MoE block replays (or compares with) ROUTED inside the block, forward and the backward
+        that recomputes it; None: the learner's own routing."""
+        blocks = self.moe_blocks()
+        if routed is not None and not blocks:
+            raise OrbitError("routing replay needs an MoE model; this one has no MoE layer")
+        for block in blocks:
+            block.routing = routed
+        try:
+            yield
+        finally:
+            for block in blocks:
+                block.routing = None
+
+    def set_expert_compute(self, mode: str) -> None:
+        """'grouped' (default) or 'loop' (one call per expert: the reference and benchmark baseline)."""
+        if mode not in ("grouped", "loop"):
+            raise ValueError(f"expert compute {mode!r}: expected 'grouped' or 'loop'")
+        for block in self.moe_blocks():
+            block.expert_compute = mode
 
     @property
     def has_dropout(self) -> bool:
@@ -295,6 +329,7 @@ def load_policy(model_dir: Path, adapter: AdapterSpec, dtype: str = "bf16", devi
     torch_dtype = parse_dtype(dtype)
     base, _ = load_int4_base(model_dir, torch_dtype)
     base.to(device)  # packed: moving the base costs ~1/4 of its bf16 size
+    stack_expert_weights(base)  # after the move: the stacks and the experts' views stay one copy
     return _with_adapter(base, adapter, torch_dtype, Path(model_dir), lora_rounding)
 
 

@@ -7,8 +7,10 @@ them (`mlp.experts.<e>.gate_proj`, ...). The loader then swaps them for packed
 `Int4Linear`s like any other linear, so:
 
 - an expert's dense weight exists only inside its own call (dequantized per call);
-- the routed experts are computed grouped: tokens sorted by expert, one call per expert
-  that received tokens, experts without tokens are never touched;
+- the routed experts are computed grouped: tokens sorted by expert, one grouped GEMM per
+  projection and layer over all experts, INT4 dequantized inside it (`grouped_experts.py`);
+- with routing replay (`routing_replay.py`), the experts are the rollout's and their gate
+  weights come from the learner's own router logits (R3);
 - PEFT can put LoRA on the experts' linears and saves it per expert
   (`experts.<e>.gate_proj.lora_A.weight`), the layout vLLM's MoE LoRA loads.
 
@@ -31,7 +33,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from orbit_runtime.errors import OrbitError
-from orbit_runtime.moe_routing import MOE_BLOCK_CLASSES, RoutingSpec, select_experts
+from orbit_runtime.learner.grouped_experts import grouped_expert_forward, looped_expert_forward
+from orbit_runtime.moe_routing import MOE_BLOCK_CLASSES, RoutingSpec, choose_experts, gate_weights, select_experts
 
 
 class Router(nn.Module):
@@ -46,12 +49,13 @@ class Router(nn.Module):
         else:
             self.e_score_correction_bias = None
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
         if self.spec.scoring == "sigmoid":  # DeepSeek-V3 computes its router logits in fp32
-            logits = F.linear(x.float(), self.weight.float())
-        else:
-            logits = F.linear(x, self.weight)
-        return select_experts(logits, self.spec, self.e_score_correction_bias)
+            return F.linear(x.float(), self.weight.float())
+        return F.linear(x, self.weight)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return select_experts(self.logits(x), self.spec, self.e_score_correction_bias)
 
 
 class ExpertMLP(nn.Module):
@@ -68,46 +72,38 @@ class ExpertMLP(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    """Router + routed experts (+ DeepSeek's shared experts), with checkpoint-compatible names."""
+    """Router + routed experts (+ DeepSeek's shared experts), with checkpoint-compatible names.
 
-    def __init__(self, hidden_size: int, expert_size: int, spec: RoutingSpec, shared_size: int = 0) -> None:
+    `routing` (set by `Policy.routed`, else None) replays or compares the rollout's experts;
+    `stacked` holds the experts' packed weights per projection once `stack_expert_weights` ran
+    (then they are computed grouped, else one call per expert).
+    """
+
+    def __init__(self, hidden_size: int, expert_size: int, spec: RoutingSpec, shared_size: int = 0, layer_index: int = 0) -> None:
         super().__init__()
         self.gate = Router(hidden_size, spec)
         self.experts = nn.ModuleList(ExpertMLP(hidden_size, expert_size) for _ in range(spec.num_experts))
         self.shared_experts = ExpertMLP(hidden_size, shared_size) if shared_size else None
+        self.layer_index = layer_index  # the decoder layer's index: the rollout's routing is per layer
+        self.routing = None
+        self.stacked: dict[str, tuple[torch.Tensor, torch.Tensor, int]] = {}  # not buffers: views back them
+        self.expert_compute = "grouped"  # or "loop" (the benchmark's baseline)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
-        weights, ids = self.gate(x)
-        out = grouped_expert_forward(x, weights, ids, self.experts)
+        logits = self.gate.logits(x)
+        ids = choose_experts(logits, self.gate.spec, self.gate.e_score_correction_bias)
+        if self.routing is not None:
+            ids = self.routing.experts(self.layer_index, ids)
+        weights = gate_weights(logits, ids, self.gate.spec)  # the learner's own scores, also for replayed experts
+        if self.stacked and self.expert_compute == "grouped":
+            out = grouped_expert_forward(x, weights, ids, self)
+        else:
+            out = looped_expert_forward(x, weights, ids, self.experts)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out.view(shape)
-
-
-def grouped_expert_forward(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: nn.ModuleList) -> torch.Tensor:
-    """sum_k weights[n, k] * experts[ids[n, k]](x[n]), one call per expert on its own tokens.
-
-    Token slots are sorted by expert id (stable), so each expert sees one contiguous group;
-    results are added back in expert order, as transformers' reference loop does.
-    """
-    top_k = ids.shape[-1]
-    flat_ids = ids.reshape(-1)
-    order = torch.argsort(flat_ids, stable=True)
-    tokens = order // top_k
-    slot_weights = weights.reshape(-1)[order].to(x.dtype)
-    counts = torch.bincount(flat_ids, minlength=len(experts)).tolist()
-    out = torch.zeros_like(x)
-    start = 0
-    for expert_id, count in enumerate(counts):
-        if count == 0:
-            continue
-        group = slice(start, start + count)
-        token_ids = tokens[group]
-        out.index_add_(0, token_ids, experts[expert_id](x[token_ids]) * slot_weights[group, None])
-        start += count
-    return out
 
 
 def replace_moe_blocks(model: nn.Module, config) -> int:
@@ -124,7 +120,8 @@ def replace_moe_blocks(model: nn.Module, config) -> int:
     for name, module in list(model.named_modules()):
         if type(module).__name__ == block_class:
             with torch.device(_device_of(module)):
-                block = SparseMoeBlock(config.hidden_size, config.moe_intermediate_size, spec, shared_size=shared)
+                block = SparseMoeBlock(config.hidden_size, config.moe_intermediate_size, spec, shared_size=shared,
+                                       layer_index=_layer_index(name))  # fmt: skip
             block.to(_dtype_of(module))
             if block.gate.e_score_correction_bias is not None:  # a selection bias: fp32, as in transformers and vLLM
                 block.gate.e_score_correction_bias = block.gate.e_score_correction_bias.float()
@@ -134,6 +131,12 @@ def replace_moe_blocks(model: nn.Module, config) -> int:
     if not replaced:
         raise OrbitError(f"{config.model_type}: no {block_class} found in the model")
     return replaced
+
+
+def _layer_index(name: str) -> int:
+    """'model.layers.3.mlp' -> 3."""
+    parts = name.split(".")
+    return int(parts[parts.index("layers") + 1])
 
 
 def _device_of(module: nn.Module) -> torch.device:

@@ -18,7 +18,8 @@ from orbit_runtime.config import AdapterSpec
 from orbit_runtime.learner.dense_reference import load_dequantized_dense_model
 from orbit_runtime.learner.int4_linear import Int4Linear
 from orbit_runtime.learner.model import load_policy
-from orbit_runtime.learner.moe import SparseMoeBlock, grouped_expert_forward, per_expert_peft_layout
+from orbit_runtime.learner.grouped_experts import looped_expert_forward
+from orbit_runtime.learner.moe import SparseMoeBlock, per_expert_peft_layout
 from orbit_runtime.moe_routing import RoutingSpec, select_experts
 
 QWEN3_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]  # Qwen3-MoE has no dense or shared MLP
@@ -126,8 +127,8 @@ def test_experts_stay_packed(arch, request):
         assert not (tensor.is_floating_point() and tuple(tensor.shape) in shapes), f"dense expert tensor {name}"
 
 
-def test_grouped_experts_touch_only_chosen_experts():
-    """An expert no token chose is never called (its weights are never dequantized)."""
+def test_looped_experts_touch_only_chosen_experts():
+    """The per-expert loop (the grouped compute's reference) calls only experts some token chose."""
     calls: list[int] = []
 
     class Probe(torch.nn.Module):
@@ -143,7 +144,7 @@ def test_grouped_experts_touch_only_chosen_experts():
     x = torch.randn(4, 8)
     ids = torch.tensor([[0, 3], [3, 0], [5, 3], [0, 5]])
     weights = torch.rand(4, 2)
-    out = grouped_expert_forward(x, weights, ids, experts)
+    out = looped_expert_forward(x, weights, ids, experts)
     assert calls == [0, 3, 5]
     expected = torch.stack([sum(weights[n, k] * x[n] * (ids[n, k] + 1) for k in range(2)) for n in range(4)])
     assert torch.allclose(out, expected, atol=1e-6)
