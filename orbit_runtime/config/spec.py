@@ -13,6 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from orbit_runtime.config.adapter import AdapterSpec
+from orbit_runtime.config.moe import MoeSpec
 from orbit_runtime.config.learner import LearnerSpec
 from orbit_runtime.config.storage_uri import validate_storage_uri
 from orbit_runtime.errors import OrbitError
@@ -350,6 +351,7 @@ class JobSpec(Section):
         "(dense models on CPU in this version; `orbit plan` says which fits).",
     )
     adapter: AdapterSpec = Field(default_factory=AdapterSpec)
+    moe: MoeSpec = Field(default_factory=MoeSpec)
     learner: LearnerSpec = Field(default_factory=LearnerSpec)
     algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
     data: DataSpec = Field(
@@ -392,6 +394,15 @@ class JobSpec(Section):
             problems.append("rollout.tensor_parallel_size must be 1: the learner maps one worker's weights")
         if problems:
             raise ValueError("placement colocated: " + "; ".join(problems))
+        return self
+
+    @model_validator(mode="after")
+    def validate_routing_replay(self) -> JobSpec:
+        if self.moe.routing_replay and self.rollout.enable_prefix_caching:
+            raise ValueError(
+                "moe.routing_replay needs rollout.enable_prefix_caching unset or false: vLLM's CPU build returns the "
+                "routing of forwarded positions only, and a cached prefix is never forwarded"
+            )
         return self
 
     def checkpoint_uri(self) -> str:

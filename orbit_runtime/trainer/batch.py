@@ -70,6 +70,7 @@ class RolloutBatch:
     advantages: torch.Tensor
     ref_logprobs: list[torch.Tensor] | None
     mask_truncated: bool = False  # rollout.truncated == "mask": truncated samples are left out of the loss
+    replay_routing: bool = False  # moe.routing_replay: the learner uses the rollout's experts
 
     @property
     def truncated(self) -> list[bool]:
@@ -83,6 +84,7 @@ class RolloutBatch:
             advantages=self.advantages,
             ref_logprobs=self.ref_logprobs,
             loss_mask=[not t for t in self.truncated] if self.mask_truncated else None,
+            routed_experts=[c.routed_experts for c in self.completions] if self.replay_routing else None,
         )
 
     @property
@@ -137,4 +139,5 @@ class BatchBuilder:
             ref = self.reference.logprobs(pairs, spec.rollout.temperature)
         timings["reference_s"] = time.monotonic() - t
         return RolloutBatch(indices, examples, completions, texts, rewards, advantages, ref,
-                            mask_truncated=spec.rollout.truncated == "mask")  # fmt: skip
+                            mask_truncated=spec.rollout.truncated == "mask",
+                            replay_routing=spec.moe.routing_replay)  # fmt: skip

@@ -35,6 +35,7 @@ from orbit_runtime.int4.base_digest import read_base_digest
 from orbit_runtime.learner.device import resolve_device
 from orbit_runtime.learner.micro_batches import MicroBatchLimits
 from orbit_runtime.learner.model import Policy, load_policy
+from orbit_runtime.errors import OrbitError
 from orbit_runtime.learner.update import UpdateResult, policy_update
 from orbit_runtime.observability import metrics
 from orbit_runtime.observability.peak_memory import PeakMemory
@@ -162,8 +163,11 @@ class Trainer:
         """The INT4 base + a fresh adapter; placement colocated: the rollout engine's base (trainer/colocated.py)."""
         spec = self.spec
         if spec.placement != "colocated":
-            return load_policy(Path(spec.model.path), spec.adapter, dtype=self.learner_dtype, device=self.device,
-                               lora_rounding=spec.learner.lora_rounding)  # fmt: skip
+            policy = load_policy(Path(spec.model.path), spec.adapter, dtype=self.learner_dtype, device=self.device,
+                                 lora_rounding=spec.learner.lora_rounding)  # fmt: skip
+            if spec.moe.routing_replay and not policy.moe_blocks():
+                raise OrbitError(f"moe.routing_replay: {spec.model.path} is a dense model, it has no MoE layer to replay")
+            return policy
         policy, self.shared_base = load_colocated(spec, self.rollout, self.device, self.learner_dtype)
         attached = self.shared_base.attached
         self._say(f"placement colocated: the learner computes on the rollout engine's base ({attached.arena.size / 2**20:.1f} MiB, "

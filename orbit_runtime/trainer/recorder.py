@@ -122,7 +122,7 @@ def step_row(step: int, adapter_version: int, batch: RolloutBatch, update: Updat
         "grad_norm": update.grad_norm, "learning_rate": lr, "optimizer_steps": update.optimizer_steps,
         "micro_batches": update.micro_batches, **memory,
         "mismatch_mean_abs": mismatch.mean_abs_dlogp, "mismatch_max_abs": mismatch.max_abs_dlogp,
-        "mismatch_k3_kl": mismatch.k3_kl,
+        "mismatch_k3_kl": mismatch.k3_kl, **routing_fields(update),
         "samples": len(batch.completions), "tokens": batch.tokens, "prompt_indices": batch.indices,
         "tokens_per_second": batch.tokens / step_seconds,
         "adapter_version": adapter_version, "adapter_bytes": adapter_bytes,
@@ -131,6 +131,23 @@ def step_row(step: int, adapter_version: int, batch: RolloutBatch, update: Updat
         **restarts, "step_seconds": step_seconds,
         **{k: round(v, 4) for k, v in timings.items()},
     }  # fmt: skip
+
+
+def routing_fields(update: UpdateResult) -> dict:
+    """Routing replay's figures in a step row (empty without replay): the learner's own experts vs the
+    rollout's (all positions and layers, per layer, tokens agreeing in every layer) and the mismatch
+    the learner would have without replay."""
+    agreement, unreplayed = update.routing_agreement, update.unreplayed_mismatch
+    if agreement is None or unreplayed is None:
+        return {}
+    return {
+        "routing_agreement": agreement.overall,
+        "routing_token_agreement": agreement.token_agreement,
+        "routing_agreement_by_layer": {str(k): v for k, v in agreement.per_layer().items()},
+        "routing_missing_samples": update.routing_missing,
+        "mismatch_unreplayed_mean_abs": unreplayed.mean_abs_dlogp,
+        "mismatch_unreplayed_max_abs": unreplayed.max_abs_dlogp,
+    }
 
 
 def canary_fields(sync: SyncResult) -> dict:

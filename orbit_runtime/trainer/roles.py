@@ -57,7 +57,7 @@ def rollout_server_config(spec: JobSpec, log_path: Path, learner_device: torch.d
                             log_path=log_path, gpu_memory_utilization=utilization,
                             tensor_parallel_size=rollout.tensor_parallel_size,
                             enable_prefix_caching=rollout.enable_prefix_caching, max_num_seqs=rollout.max_num_seqs,
-                            enforce_eager=rollout.enforce_eager)  # fmt: skip
+                            enforce_eager=rollout.enforce_eager, return_routed_experts=spec.moe.routing_replay)  # fmt: skip
 
 
 @dataclass(frozen=True)
