@@ -165,8 +165,9 @@ class Policy:
         """The rollout's ROUTING ([positions, layers, k] per sample, or None) laid out for a forward of
         PAIRS as completion_logprobs pads them; install it with `routed`."""
         config = self.model.config
-        top_k = self.moe_blocks()[0].gate.spec.top_k
-        return RoutedExperts(pairs, routing, config.num_hidden_layers, top_k, mode=mode, device=self.device)
+        spec = self.moe_blocks()[0].gate.spec
+        return RoutedExperts(pairs, routing, config.num_hidden_layers, spec.top_k, spec.num_experts, mode=mode,
+                             device=self.device)  # fmt: skip
 
     @contextlib.contextmanager
     def routed(self, routed: RoutedExperts | None) -> Iterator[None]:

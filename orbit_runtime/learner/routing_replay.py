@@ -58,9 +58,12 @@ class RoutingAgreement:
         return self.tokens_agreeing / self.tokens_compared if self.tokens_compared else None
 
 
-def routing_usable(routing: np.ndarray | None, prompt_len: int, completion_len: int, num_layers: int, top_k: int) -> bool:
-    """Does ROUTING cover exactly the forwarded positions of this sample, for every layer?"""
-    return routing is not None and routing.shape == (prompt_len + completion_len - 1, num_layers, top_k)
+def routing_usable(routing: np.ndarray | None, prompt_len: int, completion_len: int, num_layers: int, top_k: int,
+                   num_experts: int) -> bool:  # fmt: skip
+    """Does ROUTING cover exactly the forwarded positions of this sample, for every layer, with real experts
+    (a gap the rollout could not fill holds a value no expert has)?"""
+    return (routing is not None and routing.shape == (prompt_len + completion_len - 1, num_layers, top_k)
+            and int(routing.max(initial=0)) < num_experts)  # fmt: skip
 
 
 class RoutedExperts:
@@ -72,6 +75,7 @@ class RoutedExperts:
         routing: Sequence[np.ndarray | None],
         num_layers: int,
         top_k: int,
+        num_experts: int,
         mode: Literal["replay", "compare"] = "replay",
         device: torch.device | str = "cpu",
     ) -> None:
@@ -81,7 +85,7 @@ class RoutedExperts:
         plan = torch.full((len(pairs), width, num_layers, top_k), NO_EXPERT, dtype=torch.int32)
         self.missing = 0  # samples without usable routing (they keep the learner's own)
         for row, ((prompt, completion), experts) in enumerate(zip(pairs, routing, strict=True)):
-            if not routing_usable(experts, len(prompt), len(completion), num_layers, top_k):
+            if not routing_usable(experts, len(prompt), len(completion), num_layers, top_k, num_experts):
                 self.missing += 1
                 continue
             plan[row, : experts.shape[0]] = torch.from_numpy(experts.astype(np.int32))

@@ -19,10 +19,13 @@ ORBIT_RETURN_ROUTED_EXPERTS=1, Orbit's vLLM plugin fills the same field on the C
 Prefix caching must be off (the server turns it off): a cached prefix is never forwarded,
 so its rows would be missing (vLLM's V2 runner keeps them in a block store; this does not).
 A preempted request recomputes positions it already recorded; those rows are not recorded twice.
+A gap (positions never forwarded) is logged and filled with the dtype's largest value, which is
+no expert: the learner then counts that sample's routing as missing.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from functools import partial
@@ -31,6 +34,8 @@ import numpy as np
 import torch
 
 from orbit_runtime.rollout.server import ROUTING_ENV as ENV
+
+log = logging.getLogger(__name__)
 
 
 def enabled() -> bool:
@@ -42,7 +47,8 @@ class RoutingRecorder:
 
     def __init__(self, max_tokens: int, num_layers: int, top_k: int, num_experts: int) -> None:
         self.buffer = torch.zeros((max_tokens, num_layers, top_k), dtype=torch.int32)
-        self.dtype = np.uint8 if num_experts <= 256 else np.uint16  # as vLLM returns them
+        # as vLLM returns them, except that the type's largest value is never an expert: it marks a gap
+        self.dtype = np.uint8 if num_experts < 256 else np.uint16
 
     def capture(self, layer_id: int, ids: torch.Tensor) -> None:
         self.buffer[: ids.shape[0], layer_id] = ids
@@ -78,9 +84,11 @@ class RequestRoutingLog:
             rows = step.rows[step.query_start[index] : step.query_start[index + 1]]
             state = self.requests.setdefault(request_id, _RequestRows(start, start))
             skip = state.next_position - start  # > 0: recomputed after a preemption
-            if skip < 0:
-                raise RuntimeError(f"request {request_id}: positions {state.next_position}..{start} were never forwarded "
-                                   "(prefix caching must be off for routed experts on the CPU build)")  # fmt: skip
+            if skip < 0:  # rows of the type's largest value: the learner finds no expert there, counts the sample missing
+                log.warning("request %s: positions %d..%d were never forwarded (prefix caching must be off for routed "
+                            "experts on the CPU build); its routing is marked incomplete", request_id, state.next_position, start)
+                state.pending.append(np.full((-skip, *self.row_shape), np.iinfo(self.dtype).max, dtype=self.dtype))
+                skip = 0
             if skip < len(rows):
                 state.pending.append(rows[skip:])
                 state.next_position = start + len(rows)

@@ -85,3 +85,32 @@ def test_moe_grpo_syncs_checkpoints_and_resumes(moe_int4, tmp_path):
     assert [r["from_step"] for r in rows if r["kind"] == "resume"] == [1]
     assert summary["steps"] == 2 and summary["canary_failures"] == 0
     assert (checkpoints / "step-00000002").is_dir()
+
+
+def test_moe_grpo_with_routing_replay(moe_int4, tmp_path):
+    """moe.routing_replay: vLLM (CPU build, Orbit's capture) returns every sample's experts, shaped
+    [prompt + completion - 1, layers, k]; the learner replays them and reports routing agreement
+    per layer and the mismatch without replay. No sample falls back to the learner's own routing."""
+    job = {
+        "model": {"path": str(moe_int4), "dtype": "fp16", "learner_dtype": "fp32"},
+        "adapter": {"rank": 8, "alpha": 16, "routed_experts": True},
+        "moe": {"routing_replay": True},
+        "data": {"type": "synthetic_arithmetic", "max_value": 9, "validation_size": 4},
+        "rewards": [{"function": "orbit_moe_rewards:share_of_b"}],
+        "rollout": {"group_size": 4, "prompts_per_step": 4, "max_tokens": 6},
+        "schedule": {"steps": 2, "learning_rate": 5e-3},
+        "eval": {"every_steps": 10},
+        "run": {"name": "replay", "output_dir": str(tmp_path / "runs")},
+    }
+    config = tmp_path / "job.yaml"
+    config.write_text(yaml.safe_dump(job))
+    (tmp_path / "orbit_moe_rewards.py").write_text(SHARE_OF_B)
+    _train(config)
+    rows = [json.loads(line) for line in (tmp_path / "runs" / "replay" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r["kind"] == "step"]
+    assert len(steps) == 2
+    for step in steps:
+        assert step["routing_missing_samples"] == 0, step  # every sample's routing came back, shaped right
+        assert set(step["routing_agreement_by_layer"]) == {"0", "1", "2", "3"}
+        assert step["routing_agreement"] >= 0.98, step  # misaligned rows would agree by chance (~1/28)
+        assert step["mismatch_unreplayed_mean_abs"] > 0 and step["mismatch_mean_abs"] > 0

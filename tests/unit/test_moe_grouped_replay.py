@@ -237,5 +237,8 @@ def test_routing_that_does_not_fit_is_not_replayed(models):
     policy = _policy(models["qwen3_moe"], routed_experts=False)
     pairs = _pairs(6, count=2)
     good = _rollout_routing(policy, pairs, seed=7)
-    routed = RoutedExperts(pairs, [good[0][:-1], None], policy.model.config.num_hidden_layers, 2)
+    gap = good[1].copy()
+    gap[3] = 255  # a position the rollout could not fill (routing_capture.py)
+    routed = RoutedExperts(pairs, [good[0][:-1], gap], policy.model.config.num_hidden_layers, 2, 8)
     assert routed.missing == 2 and bool((routed.plan == -1).all())
+    assert RoutedExperts(pairs, good, policy.model.config.num_hidden_layers, 2, 8).missing == 0
