@@ -7,7 +7,10 @@ runs `orbit train`'s update (`policy_update`: micro-batches, gradient checkpoint
 loss, AdamW) on an RL-length batch. Reports peak GPU memory, step time, log-prob agreement
 of the GPU learner (fp32 and bf16) with a CPU fp32 transformers model holding the
 dequantized INT4 weights (its own fused experts and routing), and how often both choose the
-same experts. Exits non-zero if a check fails.
+same experts. Also (issue: grouped experts and routing replay) on the device: the grouped expert
+compute equals the per-expert loop (bf16 log-probs, LoRA gradients) and is timed against it,
+and replaying the learner's own routing reproduces its log-probs while a perturbed router
+leaves replayed experts unchanged. Exits non-zero if a check fails.
 
     python benchmarks/gpu_moe_check.py --json gpu-moe-check.json          # on a CUDA machine
     python benchmarks/gpu_moe_check.py --device cpu --layers 2 --hidden 256 --experts 8 --top-k 2 \
@@ -65,6 +68,64 @@ def logprobs_and_routing(model, ids, router_type):
         handle.remove()
     logprobs = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
     return logprobs.cpu(), chosen
+
+
+def grouped_and_replay_checks(policy, batch, args, cuda: bool, result: dict, checks: dict) -> None:
+    """On the device: grouped == loop (log-probs, LoRA grads) and their times; replay of the learner's own
+    routing changes nothing; with replay a perturbed router moves the gate weights, not the experts."""
+    import torch
+
+    pairs = batch.pairs[: max(2, len(batch.pairs) // 8)]
+
+    def run(mode: str):
+        policy.set_expert_compute(mode)
+        policy.model.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        with policy.training():
+            rows = policy.completion_logprobs(pairs)
+            sum(r.float().sum() for r in rows).backward()
+        if cuda:
+            torch.cuda.synchronize()
+        grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)).float().clone()
+                 for n, p in policy.model.named_parameters() if p.requires_grad}  # fmt: skip
+        return [r.detach().float() for r in rows], grads, time.perf_counter() - started
+
+    run("grouped")  # warm-up
+    grouped_rows, grouped_grads, grouped_s = run("grouped")
+    loop_rows, loop_grads, loop_s = run("loop")
+    policy.set_expert_compute("grouped")
+    result["grouped_vs_loop"] = {
+        "max_abs_dlogp": max(float((a - b).abs().max()) for a, b in zip(grouped_rows, loop_rows, strict=True)),
+        "max_abs_dgrad": max(float((grouped_grads[n] - loop_grads[n]).abs().max()) for n in loop_grads),
+        "largest_grad": max(float(g.abs().max()) for g in loop_grads.values()),
+        "grouped_seconds": grouped_s, "loop_seconds": loop_s,
+    }  # fmt: skip
+    g = result["grouped_vs_loop"]
+    checks["grouped_equals_loop"] = g["max_abs_dlogp"] < 5e-2 and g["max_abs_dgrad"] <= 5e-2 * max(1.0, g["largest_grad"])
+    # replay: the learner's own routing, captured in compare mode, replayed
+    compared_positions = [len(p) + len(c) - 1 for p, c in pairs]
+    layers = policy.model.config.num_hidden_layers
+    top_k = policy.moe_blocks()[0].gate.spec.top_k
+    import numpy as np
+
+    probe = policy.routed_experts_for(pairs, [np.zeros((n, layers, top_k), dtype=np.uint8) for n in compared_positions],
+                                      mode="compare", keep_own=True)  # fmt: skip
+    with torch.no_grad(), policy.routed(probe):
+        own_rows = policy.completion_logprobs(pairs)
+    moe_layers = [b.layer_index for b in policy.moe_blocks()]
+    routing = []
+    for sample in range(len(pairs)):
+        rows = np.zeros((compared_positions[sample], layers, top_k), dtype=np.int64)
+        for layer in moe_layers:
+            rows[:, layer] = probe.own_experts(sample, layer).cpu().numpy()
+        routing.append(rows.astype(np.uint8 if policy.moe_blocks()[0].gate.spec.num_experts < 256 else np.uint16))
+    with torch.no_grad(), policy.routed(policy.routed_experts_for(pairs, routing)):
+        replayed_rows = policy.completion_logprobs(pairs)
+    result["replay_own_routing_max_abs_dlogp"] = max(float((a.float() - b.float()).abs().max())
+                                                     for a, b in zip(own_rows, replayed_rows, strict=True))  # fmt: skip
+    checks["replay_of_own_routing_is_identity"] = result["replay_own_routing_max_abs_dlogp"] < 1e-2
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         result["base_memory"] = vars(policy.base_memory())
         result["adapter_params"] = sum(p.numel() for p in policy.trainable_parameters())
         batch = timed_updates(policy, args, cuda, result, checks)
+        grouped_and_replay_checks(policy, batch, args, cuda, result, checks)
 
         adapter_state = policy.adapter_state()
         prompt, completion = batch.pairs[0]

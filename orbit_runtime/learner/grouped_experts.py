@@ -38,6 +38,18 @@ def dequantize_stacked(packed: torch.Tensor, scale: torch.Tensor, in_features: i
     return flat.view(experts, out_features, in_features)
 
 
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """x[rows of e] @ weight[e] for each expert e (rows offs[e-1]:offs[e]): torch._grouped_mm, or where it
+    refuses the inputs (CUDA takes bf16 only, on sm90+) one matmul per expert after a host sync."""
+    try:
+        return torch._grouped_mm(x, weight, offs=offs)
+    except (RuntimeError, NotImplementedError):
+        if not x.is_cuda:
+            raise
+        bounds = [0, *offs.tolist()]
+        return torch.cat([x[a:b] @ weight[e] for e, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False))])
+
+
 class _GroupedInt4MatMul(torch.autograd.Function):
     """y[rows of e] = x[rows of e] @ dequant(W_e).T for every expert e; grad flows to x only."""
 
@@ -46,13 +58,13 @@ class _GroupedInt4MatMul(torch.autograd.Function):
         weight = dequantize_stacked(packed, scale, in_features, x.dtype)
         ctx.save_for_backward(offs, packed, scale)
         ctx.in_features = in_features
-        return torch._grouped_mm(x, weight.transpose(1, 2), offs=offs)
+        return grouped_mm(x, weight.transpose(1, 2), offs)
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         offs, packed, scale = ctx.saved_tensors
         weight = dequantize_stacked(packed, scale, ctx.in_features, grad_output.dtype)
-        return torch._grouped_mm(grad_output.contiguous(), weight, offs=offs), None, None, None, None
+        return grouped_mm(grad_output.contiguous(), weight, offs), None, None, None, None
 
 
 def _base(layer: nn.Module) -> nn.Module:
@@ -101,11 +113,11 @@ def _lora_delta(x: torch.Tensor, offs: torch.Tensor, layers: list[nn.Module], re
         dropped = first.lora_dropout[adapter](x)  # one dropout over the group (p = 0 in Orbit's defaults)
         if isinstance(first, VllmRoundedLoraLinear) and x.dtype != torch.float32:
             a_served, b_served = a.to(result_dtype), b.to(result_dtype) * scaling
-            shrunk = torch._grouped_mm(dropped.float(), a_served.float().transpose(1, 2), offs=offs)
-            delta = torch._grouped_mm(shrunk.to(result_dtype), b_served.transpose(1, 2), offs=offs)
+            shrunk = grouped_mm(dropped.float(), a_served.float().transpose(1, 2), offs)
+            delta = grouped_mm(shrunk.to(result_dtype), b_served.transpose(1, 2), offs)
         else:  # PEFT: the input cast to the adapter's dtype, the delta added in it
-            shrunk = torch._grouped_mm(dropped.to(a.dtype), a.transpose(1, 2), offs=offs)
-            delta = torch._grouped_mm(shrunk, b.transpose(1, 2), offs=offs) * scaling
+            shrunk = grouped_mm(dropped.to(a.dtype), a.transpose(1, 2), offs)
+            delta = grouped_mm(shrunk, b.transpose(1, 2), offs) * scaling
         total = delta if total is None else total + delta
     return total
 

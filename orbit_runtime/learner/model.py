@@ -161,13 +161,13 @@ class Policy:
     def moe_blocks(self) -> list[SparseMoeBlock]:
         return [m for m in self.model.modules() if isinstance(m, SparseMoeBlock)]
 
-    def routed_experts_for(self, pairs, routing, mode: str = "replay") -> RoutedExperts:
+    def routed_experts_for(self, pairs, routing, mode: str = "replay", keep_own: bool = False) -> RoutedExperts:
         """The rollout's ROUTING ([positions, layers, k] per sample, or None) laid out for a forward of
         PAIRS as completion_logprobs pads them; install it with `routed`."""
         config = self.model.config
         spec = self.moe_blocks()[0].gate.spec
         return RoutedExperts(pairs, routing, config.num_hidden_layers, spec.top_k, spec.num_experts, mode=mode,
-                             device=self.device)  # fmt: skip
+                             device=self.device, keep_own=keep_own)  # fmt: skip
 
     @contextlib.contextmanager
     def routed(self, routed: RoutedExperts | None) -> Iterator[None]:
@@ -238,10 +238,18 @@ class Policy:
         with self.model.disable_adapter():
             yield
 
-    def save_adapter(self, out_dir: Path) -> Path:
-        """Write the adapter in PEFT format (adapter_config.json + adapter_model.safetensors)."""
+    def save_adapter(self, out_dir: Path, dtype: torch.dtype | None = None) -> Path:
+        """Write the adapter in PEFT format (adapter_config.json + adapter_model.safetensors); DTYPE: its
+        tensors cast to it (the sync writes the dtype vLLM serves: it casts to it at load anyway, so the
+        served weights are the same and the file is half an fp32 one), else as trained (checkpoints)."""
         out_dir = Path(out_dir)
-        self.model.save_pretrained(out_dir)
+        if dtype is None:
+            self.model.save_pretrained(out_dir)
+        else:
+            from peft import get_peft_model_state_dict
+
+            state = {k: v.to(dtype) for k, v in get_peft_model_state_dict(self.model).items()}
+            self.model.save_pretrained(out_dir, state_dict=state)
         config_path = out_dir / "adapter_config.json"
         config = json.loads(config_path.read_text())
         config["base_model_name_or_path"] = str(self.model_dir)

@@ -34,7 +34,7 @@ from torch import nn
 
 from orbit_runtime.errors import OrbitError
 from orbit_runtime.learner.grouped_experts import grouped_expert_forward, looped_expert_forward
-from orbit_runtime.moe_routing import MOE_BLOCK_CLASSES, RoutingSpec, choose_experts, gate_weights, select_experts
+from orbit_runtime.moe_routing import MOE_BLOCK_CLASSES, RoutingSpec, choose_experts, gate_weights
 
 
 class Router(nn.Module):
@@ -54,8 +54,14 @@ class Router(nn.Module):
             return F.linear(x.float(), self.weight.float())
         return F.linear(x, self.weight)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return select_experts(self.logits(x), self.spec, self.e_score_correction_bias)
+    def forward(self, x: torch.Tensor, routing=None, layer_index: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate weights [N, k] float32, expert ids [N, k]): its own choice, or ROUTING's (replay) for
+        layer LAYER_INDEX, weighted by its own scores either way."""
+        logits = self.logits(x)
+        ids = choose_experts(logits, self.spec, self.e_score_correction_bias)
+        if routing is not None:
+            ids = routing.experts(layer_index, ids)
+        return gate_weights(logits, ids, self.spec), ids
 
 
 class ExpertMLP(nn.Module):
@@ -92,11 +98,7 @@ class SparseMoeBlock(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
-        logits = self.gate.logits(x)
-        ids = choose_experts(logits, self.gate.spec, self.gate.e_score_correction_bias)
-        if self.routing is not None:
-            ids = self.routing.experts(self.layer_index, ids)
-        weights = gate_weights(logits, ids, self.gate.spec)  # the learner's own scores, also for replayed experts
+        weights, ids = self.gate(x, self.routing, self.layer_index)  # its own scores, also for replayed experts
         if self.stacked and self.expert_compute == "grouped":
             out = grouped_expert_forward(x, weights, ids, self)
         else:

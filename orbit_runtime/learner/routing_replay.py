@@ -78,6 +78,7 @@ class RoutedExperts:
         num_experts: int,
         mode: Literal["replay", "compare"] = "replay",
         device: torch.device | str = "cpu",
+        keep_own: bool = False,
     ) -> None:
         if len(pairs) != len(routing):
             raise ValueError(f"{len(routing)} routing arrays for {len(pairs)} samples")
@@ -90,6 +91,9 @@ class RoutedExperts:
                 continue
             plan[row, : experts.shape[0]] = torch.from_numpy(experts.astype(np.int32))
         self.plan = plan.view(len(pairs) * width, num_layers, top_k).to(device)
+        self.width = width
+        self.lengths = [len(p) + len(c) - 1 for p, c in pairs]
+        self.own: dict[int, torch.Tensor] | None = {} if keep_own else None  # compare mode: the learner's choices
         self.mode = mode
         self.agreement = RoutingAgreement()
         self._given = self.plan[:, 0, 0] != NO_EXPERT
@@ -112,5 +116,14 @@ class RoutedExperts:
             self.agreement.compared[layer] = int(given.sum())
             self.agreement.tokens_agreeing = int(self._token_agrees.sum())
             self.agreement.tokens_compared = int(self._given.sum())
+            if self.own is not None:
+                self.own[layer] = own.detach().to("cpu", torch.int16)
             return own
         return torch.where(given[:, None], rollout, own)
+
+    def own_experts(self, sample: int, layer: int) -> torch.Tensor:
+        """keep_own: the learner's own experts (sorted) at SAMPLE's forwarded positions in LAYER: [positions, k]."""
+        if self.own is None:
+            raise RuntimeError("own experts are kept only with keep_own=True in compare mode")
+        start = sample * self.width
+        return self.own[layer][start : start + self.lengths[sample]].long().sort(-1).values

@@ -10,7 +10,7 @@ from orbit_runtime.plan.hardware import Node
 from orbit_runtime.plan.layouts import LayoutPlan, full_finetune_layout, separate_layout, shared_layout
 from orbit_runtime.plan.parameters import ParameterCount, count_parameters, model_linears
 from orbit_runtime.plan.request import PlanRequest
-from orbit_runtime.plan.weights import BaseWeights, Quantization, base_weights, lora_params, quantization_of
+from orbit_runtime.plan.weights import BaseWeights, Quantization, adapter_size, base_weights, lora_params, quantization_of
 
 LAYOUTS = ("separate", "shared", "full_finetune")
 
@@ -24,6 +24,7 @@ class Plan:
     quantization: Quantization
     base: BaseWeights
     lora_params: int
+    adapter: dict  # adapter_size: parameters, learner, optimizer and sync bytes
     layouts: dict[str, LayoutPlan]
     nodes_bf16_state: int | None  # full fine-tuning with bf16 AdamW moments and no fp32 master copy
 
@@ -45,6 +46,7 @@ def make_plan(arch: Architecture, request: PlanRequest) -> Plan:
     return Plan(
         arch=arch, request=request, node=node, params=params, quantization=quantization, base=base,
         lora_params=lora_params(model_linears(arch), request),
+        adapter=adapter_size(model_linears(arch), request),
         layouts={"separate": separate_layout(arch, base, request, node), "shared": shared_layout(arch, base, request, node),
                  "full_finetune": full},
         nodes_bf16_state=full_finetune_layout(arch, params.total, request, node, state_bytes=8).nodes,

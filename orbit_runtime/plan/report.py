@@ -58,6 +58,7 @@ def plan_json(plan: Plan) -> dict:
                          "int4_params": plan.base.int4_params, "16bit_params": plan.base.dense_params},
         "checkpoint_bytes": int4 + dense,
         "lora_params": plan.lora_params,
+        "adapter": plan.adapter,
         "node": {"name": node.name, "gpus": node.gpus, "gpu_memory_bytes": node.visible_bytes, "usable_bytes_per_gpu": node.usable_bytes,
                  "usable_share": USABLE_SHARE},
         "job": request.model_dump(mode="json", exclude={"node", "roles"}),
@@ -97,6 +98,10 @@ def render(plan: Plan, console) -> None:
                   f"{params.active / 1e9:,.1f}B active a token{moe}" + (f"; MTP layers {params.mtp / 1e9:.1f}B (not loaded)" if params.mtp else ""))  # fmt: skip
     console.print(f"INT4 group {q.group_size} ({q.source}): {plan.base.int4_params / 1e9:,.1f}B parameters in INT4, "
                   f"{plan.base.dense_params / 1e9:,.1f}B 16-bit; LoRA rank {r.rank}: {plan.lora_params / 1e6:,.1f}M parameters")  # fmt: skip
+    a = plan.adapter
+    routed = f", {a['routed_expert_params'] / a['params']:.1%} of them on routed experts" if a["routed_expert_params"] else ""
+    console.print(f"adapter: {a['params'] / 1e6:,.1f}M parameters{routed}; learner fp32 {gib(a['learner_fp32_bytes'])} GiB + "
+                  f"AdamW {gib(a['optimizer_bytes'])} GiB; each sync writes {gib(a['sync_bytes_per_step'])} GiB ({r.dtype})")  # fmt: skip
     mb = micro_batch(r)
     console.print(f"job: {r.prompts} prompts x {r.group} = {r.samples} samples of {r.prompt_tokens} + {r.completion_tokens} tokens; "
                   f"micro-batch {mb.rows} sequences ({mb.tokens:,} tokens), gradient checkpointing "

@@ -134,6 +134,21 @@ def lora_params(linears: list[Linear], request: PlanRequest, gpus: int = 1, kv_h
     return total
 
 
+def adapter_size(linears: list[Linear], request: PlanRequest) -> dict:
+    """What the adapter costs (`orbit plan`'s "adapter"): parameters (of them on routed experts), the
+    learner's fp32 weights, AdamW's moments, and the bytes one sync writes (the served dtype)."""
+    params = lora_params(linears, request)
+    routed = sum(linear.count * request.rank * (linear.in_features + linear.out_features)
+                 for linear in linears if linear.kind == "routed_expert" and peft_targets(linear, request))  # fmt: skip
+    return {
+        "params": params,
+        "routed_expert_params": routed,
+        "learner_fp32_bytes": 4 * params,
+        "optimizer_bytes": 8 * params,  # AdamW's two fp32 moments
+        "sync_bytes_per_step": DTYPE_BYTES[request.dtype] * params,  # written in the dtype vLLM serves
+    }
+
+
 def vllm_lora_bytes(linears: list[Linear], request: PlanRequest, gpus: int, kv_heads: int = 1) -> int:
     """vLLM's adapter slots: it allocates max_loras adapters at max_lora_rank for every layer it can
     adapt (attention, MLPs, experts), whatever the adapter targets."""

@@ -60,11 +60,11 @@ def adapter_dir(adapters_root: Path, version: int) -> Path:
     return Path(adapters_root) / f"v{version}"
 
 
-def publish_adapter(policy, adapters_root: Path, version: int) -> tuple[Path, int]:
-    """Save the adapter as version VERSION atomically; returns (directory, bytes written)."""
+def publish_adapter(policy, adapters_root: Path, version: int, dtype: torch.dtype | None = None) -> tuple[Path, int]:
+    """Save the adapter as version VERSION atomically (in DTYPE: the one vLLM serves); returns (directory, bytes written)."""
     final = adapter_dir(adapters_root, version)
     with atomic_directory(final) as staging:
-        policy.save_adapter(staging)
+        policy.save_adapter(staging, dtype)
     size = sum(f.stat().st_size for f in final.rglob("*") if f.is_file())
     return final, size
 

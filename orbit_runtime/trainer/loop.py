@@ -34,7 +34,7 @@ from orbit_runtime.data.sampler import PromptSampler
 from orbit_runtime.int4.base_digest import read_base_digest
 from orbit_runtime.learner.device import resolve_device
 from orbit_runtime.learner.micro_batches import MicroBatchLimits
-from orbit_runtime.learner.model import Policy, load_policy
+from orbit_runtime.learner.model import Policy, load_policy, parse_dtype
 from orbit_runtime.errors import OrbitError
 from orbit_runtime.learner.update import UpdateResult, policy_update
 from orbit_runtime.observability import metrics
@@ -341,7 +341,7 @@ class Trainer:
         if self.shared_base is not None:
             source = InMemoryAdapter(*self.policy.adapter_export())
             return source, source.nbytes
-        return publish_adapter(self.policy, self.paths.adapters, version)
+        return publish_adapter(self.policy, self.paths.adapters, version, parse_dtype(self.spec.model.dtype))  # the served dtype
 
     def _commit(self, batch: RolloutBatch, update: UpdateResult, lr: float, timings: dict[str, float], started: float) -> dict:
         """Publish and serve the updated adapter, then record the step (the step row is written last)."""

@@ -177,3 +177,26 @@ def test_an_external_rollout_restarted_between_requests_is_noticed_and_resynced(
         assert role.restarts == 1 and role.served_name in RolloutClient(vllm_server.base_url, api_key=API_KEY).served_models()
     finally:
         role.stop()
+
+
+def test_an_adapter_written_in_the_served_dtype_serves_exactly_as_the_fp32_one(rollout_client, int4_dir, tmp_path):
+    """The sync writes the adapter in vLLM's dtype: half the bytes of fp32, and vLLM, which casts to its
+    dtype at load, serves bitwise the same log-probs as from the fp32 file of the same weights."""
+    from safetensors import safe_open
+
+    policy = load_policy(int4_dir, AdapterSpec(rank=RANK, alpha=16), dtype="fp16")
+    _nudge(policy, 40)
+    root = tmp_path / "adapters"
+    full, full_size = publish_adapter(policy, root, 40)
+    served, served_size = publish_adapter(policy, root, 41, torch.float16)
+    with safe_open(served / "adapter_model.safetensors", "pt") as reader:
+        assert {reader.get_tensor(k).dtype for k in reader.keys()} == {torch.float16}
+    assert served_size < 0.6 * full_size
+    scores = {}
+    for name, path in (("dtype-fp32", full), ("dtype-fp16", served)):
+        rollout_client.load_adapter(name, path)
+        scores[name] = [rollout_client.score(p + c, model=name) for p, c in CANARY]
+        rollout_client.unload_adapter(name)
+    assert scores["dtype-fp32"] == scores["dtype-fp16"]
+    base = [rollout_client.score(p + c) for p, c in CANARY]
+    assert base != scores["dtype-fp16"]  # the adapter is served at all
