@@ -98,3 +98,17 @@ def test_endpoint_serves_metrics_and_health():
         assert httpx.get(f"{server.url}/nope").status_code == 404
     finally:
         server.stop()
+
+
+def test_routing_replay_figures_reach_the_exposition():
+    record = {**_step_record(9), "routing_agreement": 0.995, "routing_agreement_by_layer": {"1": 0.99, "3": 1.0},
+              "mismatch_unreplayed_mean_abs": 4e-4, "routing_missing_samples": 2}  # fmt: skip
+    before = _families(metrics.LEARNER_REGISTRY)
+    missing_before = sum(s.value for s in before["orbit_learner_routing_missing_samples"].samples if s.name.endswith("_total"))
+    metrics.observe_step(record, [0.0])
+    after = _families(metrics.LEARNER_REGISTRY)
+    agreement = {s.labels["layer"]: s.value for s in after["orbit_learner_routing_agreement"].samples}
+    assert agreement == {"all": 0.995, "1": 0.99, "3": 1.0}
+    unreplayed = after["orbit_learner_mismatch_unreplayed_mean_abs_logprob"].samples[0].value
+    missing = sum(s.value for s in after["orbit_learner_routing_missing_samples"].samples if s.name.endswith("_total"))
+    assert unreplayed == 4e-4 and missing - missing_before == 2
