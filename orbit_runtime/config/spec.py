@@ -13,8 +13,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from orbit_runtime.config.adapter import AdapterSpec
-from orbit_runtime.config.moe import MoeSpec
 from orbit_runtime.config.learner import LearnerSpec
+from orbit_runtime.config.moe import MoeSpec
 from orbit_runtime.config.storage_uri import validate_storage_uri
 from orbit_runtime.errors import OrbitError
 

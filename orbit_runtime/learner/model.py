@@ -19,9 +19,9 @@ from orbit_runtime.config.learner import LOGPROB_CHUNK_TOKENS
 from orbit_runtime.config.precision import canonical_dtype
 from orbit_runtime.errors import OrbitError
 from orbit_runtime.learner.colocated_base import SharedInt4Projection
+from orbit_runtime.learner.grouped_experts import stack_expert_weights
 from orbit_runtime.learner.int4_base import load_int4_base
 from orbit_runtime.learner.int4_linear import Int4Linear
-from orbit_runtime.learner.grouped_experts import stack_expert_weights
 from orbit_runtime.learner.moe import SparseMoeBlock, per_expert_peft_layout
 from orbit_runtime.learner.routing_replay import RoutedExperts
 from orbit_runtime.learner.token_logprobs import chunked_token_logprobs

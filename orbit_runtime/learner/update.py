@@ -26,7 +26,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-
 import torch
 from torch.nn.utils.rnn import pad_sequence
 

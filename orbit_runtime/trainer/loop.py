@@ -31,11 +31,11 @@ from orbit_runtime.config.fingerprint import config_hash, training_fields
 from orbit_runtime.config.spec import JobSpec
 from orbit_runtime.data.datasets import load_splits
 from orbit_runtime.data.sampler import PromptSampler
+from orbit_runtime.errors import OrbitError
 from orbit_runtime.int4.base_digest import read_base_digest
 from orbit_runtime.learner.device import resolve_device
 from orbit_runtime.learner.micro_batches import MicroBatchLimits
 from orbit_runtime.learner.model import Policy, load_policy, parse_dtype
-from orbit_runtime.errors import OrbitError
 from orbit_runtime.learner.update import UpdateResult, policy_update
 from orbit_runtime.observability import metrics
 from orbit_runtime.observability.peak_memory import PeakMemory

@@ -16,9 +16,9 @@ import torch
 
 from orbit_runtime.config import AdapterSpec
 from orbit_runtime.learner.dense_reference import load_dequantized_dense_model
+from orbit_runtime.learner.grouped_experts import looped_expert_forward
 from orbit_runtime.learner.int4_linear import Int4Linear
 from orbit_runtime.learner.model import load_policy
-from orbit_runtime.learner.grouped_experts import looped_expert_forward
 from orbit_runtime.learner.moe import SparseMoeBlock, per_expert_peft_layout
 from orbit_runtime.moe_routing import RoutingSpec, select_experts
 

@@ -4,7 +4,6 @@ positions forwarded, emitted once each, in order, whatever the steps' shapes."""
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
 from orbit_runtime.rollout.routing_capture import RequestRoutingLog, StepRows
 
