@@ -396,15 +396,6 @@ class JobSpec(Section):
             raise ValueError("placement colocated: " + "; ".join(problems))
         return self
 
-    @model_validator(mode="after")
-    def validate_routing_replay(self) -> JobSpec:
-        if self.moe.routing_replay and self.rollout.enable_prefix_caching:
-            raise ValueError(
-                "moe.routing_replay needs rollout.enable_prefix_caching unset or false: vLLM's CPU build returns the "
-                "routing of forwarded positions only, and a cached prefix is never forwarded"
-            )
-        return self
-
     def checkpoint_uri(self) -> str:
         """checkpoint.uri, or the run directory's checkpoints/ folder."""
         return self.checkpoint.uri or f"file://{Path(self.run.output_dir).resolve() / self.run.name / 'checkpoints'}"

@@ -1,19 +1,21 @@
 """Routed experts computed grouped: one grouped GEMM per projection and layer, no loop over experts.
 
 Tokens are sorted by expert and each of the layer's three projections (gate, up, down) is one
-`torch._grouped_mm` over all experts at once (CPU and CUDA): expert e multiplies the rows
+`torch._grouped_mm` over all experts at once: expert e multiplies the rows
 offs[e-1]:offs[e] of the sorted activations. The INT4 weights are dequantized inside the
 grouped op (`_GroupedInt4MatMul`), all of a layer's experts of one projection together, and
 freed when it returns; backward dequantizes them again instead of saving them, as
-`Int4Linear` does for one linear. The expert ids and offsets stay on the device, so the
-forward makes no host sync.
+`Int4Linear` does for one linear. The expert ids and offsets stay on the device (on CPU
+the forward makes no host sync).
 
 For that the experts' packed weights are stacked: `stack_expert_weights` gives each MoE
 block one [E, out, in/8] tensor per projection, and every expert's `Int4Linear` buffers
 become views of it (no second copy). LoRA on the routed experts (PEFT wraps each expert's
 linear) is computed grouped too, from the experts' A and B stacked per call (small), with
 PEFT's rounding or vLLM's (`lora_numerics.py`), so the result equals the per-expert loop
-(`looped_expert_forward`, kept as the reference and the benchmark's baseline).
+(`looped_expert_forward`, kept as the reference and the benchmark's baseline). On CUDA,
+`bincount` reads one value back to the host, and `_grouped_mm` takes bf16 only (16-byte
+aligned): fp32 and odd LoRA ranks fall back to one matmul per expert there (`grouped_mm`).
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> tor
     refuses the inputs (CUDA takes bf16 only, on sm90+) one matmul per expert after a host sync."""
     try:
         return torch._grouped_mm(x, weight, offs=offs)
+    except torch.OutOfMemoryError:
+        raise
     except (RuntimeError, NotImplementedError):
         if not x.is_cuda:
             raise
@@ -84,8 +88,8 @@ def stack_expert_weights(model: nn.Module) -> int:
         if not isinstance(block, SparseMoeBlock):
             continue
         linears = {name: [_base(getattr(e, name)) for e in block.experts] for name in PROJECTIONS}
-        if not all(isinstance(lin, Int4Linear) for group in linears.values() for lin in group):
-            continue  # dense experts (a reference model): the per-expert loop computes them
+        if not all(isinstance(lin, Int4Linear) and lin.bias is None for group in linears.values() for lin in group):
+            continue  # dense experts (a reference model) or biased ones: the per-expert loop computes them
         for name, group in linears.items():
             packed = torch.stack([lin.weight_packed for lin in group])
             scale = torch.stack([lin.weight_scale for lin in group])

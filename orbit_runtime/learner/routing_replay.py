@@ -62,8 +62,9 @@ def routing_usable(routing: np.ndarray | None, prompt_len: int, completion_len: 
                    num_experts: int) -> bool:  # fmt: skip
     """Does ROUTING cover exactly the forwarded positions of this sample, for every layer, with real experts
     (a gap the rollout could not fill holds a value no expert has)?"""
-    return (routing is not None and routing.shape == (prompt_len + completion_len - 1, num_layers, top_k)
-            and int(routing.max(initial=0)) < num_experts)  # fmt: skip
+    return (routing is not None and np.issubdtype(routing.dtype, np.integer)
+            and routing.shape == (prompt_len + completion_len - 1, num_layers, top_k)
+            and int(routing.min(initial=0)) >= 0 and int(routing.max(initial=0)) < num_experts)  # fmt: skip
 
 
 class RoutedExperts:

@@ -335,12 +335,13 @@ def observe_step(record: dict, per_sample_rewards: list[float]) -> None:
     LEARNER_MISMATCH_MEAN.set(record["mismatch_mean_abs"])
     LEARNER_MISMATCH_MAX.set(record["mismatch_max_abs"])
     LEARNER_MISMATCH_KL.set(record["mismatch_k3_kl"])
+    if "routing_missing_samples" in record:  # counted even when no routing came back at all
+        LEARNER_ROUTING_MISSING.inc(record["routing_missing_samples"])
+        LEARNER_MISMATCH_UNREPLAYED.set(record["mismatch_unreplayed_mean_abs"])
     if record.get("routing_agreement") is not None:
         LEARNER_ROUTING_AGREEMENT.labels("all").set(record["routing_agreement"])
         for layer, agreement in record["routing_agreement_by_layer"].items():
             LEARNER_ROUTING_AGREEMENT.labels(layer).set(agreement)
-        LEARNER_MISMATCH_UNREPLAYED.set(record["mismatch_unreplayed_mean_abs"])
-        LEARNER_ROUTING_MISSING.inc(record["routing_missing_samples"])
     LEARNER_CLIP_FRACTION.set(record["clip_fraction"])
     LEARNER_IS_WEIGHT.set(record["is_weight_mean"])
     LEARNER_LOSS.set(record["loss"])

@@ -12,7 +12,7 @@ from __future__ import annotations
 import base64
 import io
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -31,14 +31,17 @@ class Completion:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str | None
-    routed_experts: np.ndarray | None = None
+    routed_experts: np.ndarray | None = field(default=None, compare=False)
 
 
 def decode_routed_experts(encoded: str | None) -> np.ndarray | None:
     """vLLM's `routed_experts` field (base64 of an .npy array) -> the array; None stays None."""
     if encoded is None:
         return None
-    return np.load(io.BytesIO(base64.b64decode(encoded)), allow_pickle=False)
+    try:
+        return np.load(io.BytesIO(base64.b64decode(encoded)), allow_pickle=False)
+    except (ValueError, OSError):  # a corrupt field: the sample counts as missing routing, the run goes on
+        return None
 
 
 def _token_id(token: str) -> int:

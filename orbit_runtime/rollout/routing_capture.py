@@ -82,7 +82,7 @@ class RequestRoutingLog:
         for index, request_id in enumerate(step.request_ids):
             start = int(step.first_positions[index])
             rows = step.rows[step.query_start[index] : step.query_start[index + 1]]
-            state = self.requests.setdefault(request_id, _RequestRows(start, start))
+            state = self.requests.setdefault(request_id, _RequestRows(0, 0))  # a request's rows start at position 0
             skip = state.next_position - start  # > 0: recomputed after a preemption
             if skip < 0:  # rows of the type's largest value: the learner finds no expert there, counts the sample missing
                 log.warning("request %s: positions %d..%d were never forwarded (prefix caching must be off for routed "
@@ -169,6 +169,8 @@ def install() -> None:
 
     def attach(runner, output) -> None:
         """Give vLLM's scheduler the rows of every request in OUTPUT (emitted for those that sampled)."""
+        if not output.req_ids:  # vLLM's shared empty output: nothing to attach, never mutate it
+            return
         rows: dict[str, AuxRequestOutput] = {}
         for request_id in output.req_ids:
             index = output.req_id_to_index[request_id]

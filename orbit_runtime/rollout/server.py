@@ -120,7 +120,15 @@ class VLLMServerConfig:
         field (routing_capture.py, ORBIT_RETURN_ROUTED_EXPERTS), which needs prefix caching off."""
         if not self.return_routed_experts:
             return []
-        return ["--no-enable-prefix-caching"] if is_cpu_build() else ["--enable-return-routed-experts"]
+        if is_cpu_build():
+            if self.enable_prefix_caching:
+                raise OrbitError("moe.routing_replay needs rollout.enable_prefix_caching unset or false on vLLM's CPU build: "
+                                 "Orbit's capture returns the routing of forwarded positions only")  # fmt: skip
+            return ["--no-enable-prefix-caching"]
+        if self.enable_prefix_caching is False:  # vLLM's own capture keeps cached prefixes' routing, and requires caching
+            raise OrbitError("moe.routing_replay needs rollout.enable_prefix_caching unset or true on GPU: vLLM returns "
+                             "routed experts only with prefix caching on")  # fmt: skip
+        return ["--enable-return-routed-experts"]
 
     @property
     def releases_kv_cache(self) -> bool:

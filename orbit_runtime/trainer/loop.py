@@ -363,6 +363,9 @@ class Trainer:
         row = step_row(state.step, version, batch, update, sync, lr=lr, adapter_bytes=size, timings=timings,
                        step_seconds=time.monotonic() - started, restarts=restarts,
                        memory={**self.peak_memory.read(), **self._phase_memory})  # fmt: skip
+        if update.routing_missing:
+            log.warning("step %d: %d of %d samples came back without the rollout's routing; they used the learner's own",
+                        state.step, update.routing_missing, len(batch.completions))  # fmt: skip
         on_policy, off_policy = self.on_policy.check(row, [*state.steps, row])
         row = self.recorder.record({**row, **on_policy})
         metrics.LEARNER_ADAPTER_VERSION.set(version)

@@ -4,6 +4,7 @@ positions forwarded, emitted once each, in order, whatever the steps' shapes."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from orbit_runtime.rollout.routing_capture import RequestRoutingLog, StepRows
 
@@ -51,8 +52,29 @@ def test_a_position_never_forwarded_is_marked_not_fatal(caplog):
     assert "prefix caching" in caplog.text
 
 
+def test_a_request_whose_first_positions_were_never_forwarded_is_marked_too():
+    log = RequestRoutingLog((2, 2), np.uint8)
+    log.record(_step({"a": [2, 3]}))  # positions 0 and 1 came from a cached prefix
+    start, rows = log.emit("a")
+    assert start == 0 and rows[:, 0, 0].tolist() == [255, 255, 2, 3]
+
+
 def test_finished_requests_are_forgotten():
     log = RequestRoutingLog((2, 2), np.uint8)
     log.record(_step({"a": [0]}))
     log.finish({"a", "unknown"})
     assert log.requests == {}
+
+
+def test_the_cpu_server_turns_prefix_caching_off_and_the_capture_on_for_replay():
+    from pathlib import Path
+
+    from orbit_runtime.errors import OrbitError
+    from orbit_runtime.rollout.server import ROUTING_ENV, VLLMServerConfig, is_cpu_build
+
+    assert is_cpu_build()  # this suite runs vLLM's CPU build
+    config = VLLMServerConfig(Path("model"), return_routed_experts=True)
+    assert "--no-enable-prefix-caching" in config.command(8000) and config.environment()[ROUTING_ENV] == "1"
+    assert "--no-enable-prefix-caching" not in VLLMServerConfig(Path("model")).command(8000)
+    with pytest.raises(OrbitError, match="enable_prefix_caching"):
+        VLLMServerConfig(Path("model"), return_routed_experts=True, enable_prefix_caching=True).command(8000)
