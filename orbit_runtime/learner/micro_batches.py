@@ -11,7 +11,9 @@ The split never changes the result: losses are normalised by the whole minibatch
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
@@ -78,15 +80,18 @@ def sequence_lengths(pairs: Pairs) -> list[int]:
     return [len(p) + len(c) for p, c in pairs]
 
 
-def logprobs_in_micro_batches(policy, pairs: Pairs, limits: MicroBatchLimits, temperature: float) -> list[torch.Tensor]:
+def logprobs_in_micro_batches(policy, pairs: Pairs, limits: MicroBatchLimits, temperature: float,
+                              around: Callable[[list[int]], AbstractContextManager] | None = None) -> list[torch.Tensor]:  # fmt: skip
     """policy.completion_logprobs of PAIRS, one micro-batch at a time, in the order of PAIRS.
 
     For scoring without gradients (old log-probs, the shared reference): only one
-    micro-batch's activations and logits are alive at a time.
+    micro-batch's activations and logits are alive at a time. AROUND(indices), if given, is a
+    context each micro-batch's forward runs in (routing replay installs the rollout's experts).
     """
     rows: list[torch.Tensor | None] = [None] * len(pairs)
     for group in limits.plan(sequence_lengths(pairs)):
-        scored = policy.completion_logprobs([pairs[i] for i in group], temperature=temperature)
+        with around(group) if around is not None else contextlib.nullcontext():
+            scored = policy.completion_logprobs([pairs[i] for i in group], temperature=temperature)
         for i, row in zip(group, scored, strict=True):
             rows[i] = row.detach().clone()  # a copy: a view would keep the micro-batch's whole [B, T] alive
     return rows  # type: ignore[return-value]

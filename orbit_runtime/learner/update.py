@@ -34,6 +34,7 @@ from orbit_runtime.algorithms.mismatch import MismatchStats, measure_mismatch
 from orbit_runtime.learner.micro_batches import (
     NO_LIMITS,
     MicroBatchLimits,
+    logprobs_in_micro_batches,
     sequence_lengths,
     split_minibatches,
 )
@@ -159,18 +160,20 @@ def _score(policy, batch: UpdateBatch, limits: MicroBatchLimits, temperature: fl
     """Log-probs of every sample without gradients, one micro-batch at a time, routed as MODE says
     ('replay': the rollout's experts; 'compare': the learner's own, counting agreement).
     Returns (rows in batch order, agreement or None, samples without routing)."""
-    rows: list[torch.Tensor | None] = [None] * len(batch.pairs)
     agreement = RoutingAgreement() if batch.routed_experts is not None else None
     missing = 0
+
+    @contextlib.contextmanager
+    def routed(group: list[int]):
+        nonlocal missing
+        with batch.routing(policy, group, mode) as installed:
+            yield
+        if installed is not None:
+            agreement.add(installed.agreement)
+            missing += installed.missing
+
     with policy.scoring():
-        for group in limits.plan(sequence_lengths(batch.pairs)):
-            with batch.routing(policy, group, mode) as routed:
-                scored = policy.completion_logprobs([batch.pairs[i] for i in group], temperature=temperature)
-            if routed is not None:
-                agreement.add(routed.agreement)
-                missing += routed.missing
-            for i, row in zip(group, scored, strict=True):
-                rows[i] = row.detach().clone()  # a copy: a view would keep the micro-batch's whole [B, T] alive
+        rows = logprobs_in_micro_batches(policy, batch.pairs, limits, temperature, around=routed)
     return [r.cpu() for r in rows], agreement, missing
 
 
