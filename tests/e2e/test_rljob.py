@@ -272,7 +272,9 @@ def _assert_fresh_vllm_serves_the_exported_adapter(cluster: Cluster, manifest: d
     assert any(t.abs().max() > 0 for k, t in weights.items() if "lora_B" in k), "the adapter never moved: nothing was tested"
     published = sorted(cluster.node.root.glob(f"pods/{NS}_job-a-1_*/volumes/adapters/v*"), key=lambda d: int(d.name[1:]))
     served = load_file(published[-1] / "adapter_model.safetensors")  # the learner's last version, what the rollout served
-    assert served.keys() == weights.keys() and all(torch.equal(served[k], weights[k]) for k in weights)
+    # the sync writes the dtype vLLM serves (fp16 here), the checkpoint keeps the learner's fp32
+    assert {t.dtype for t in served.values()} == {torch.float16} and {t.dtype for t in weights.values()} == {torch.float32}
+    assert served.keys() == weights.keys() and all(torch.equal(served[k], weights[k].to(torch.float16)) for k in weights)
     spec = RLTrainingJobSpec.model_validate(manifest["spec"])
     base = cluster.cache_root / base_cache_dir(spec, NS) / "model"
     policy = load_policy(base, AdapterSpec(rank=8, alpha=16), dtype="fp32")  # the learner's precision

@@ -155,10 +155,10 @@ def test_failed_commit_leaves_a_consistent_checkpoint(straight_run, tmp_path, in
     if fault == "disk_full":
         real_publish = loop.publish_adapter
 
-        def publish_adapter(policy, root, version):
+        def publish_adapter(policy, root, version, dtype=None):
             if version == 3:
                 raise OSError(errno.ENOSPC, "No space left on device", str(root))
-            return real_publish(policy, root, version)
+            return real_publish(policy, root, version, dtype)
 
         monkeypatch.setattr(loop, "publish_adapter", publish_adapter)
         expected_error = OSError

@@ -7,6 +7,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from orbit_runtime.observability import metrics
 from orbit_runtime.observability.server import MetricsServer
+from tests.prometheus import ROUTING_REPLAY_ONLY, rule_names_in
 
 UNITS = ("_seconds", "_bytes", "_total", "_info")
 
@@ -112,3 +113,6 @@ def test_routing_replay_figures_reach_the_exposition():
     unreplayed = after["orbit_learner_mismatch_unreplayed_mean_abs_logprob"].samples[0].value
     missing = sum(s.value for s in after["orbit_learner_routing_missing_samples"].samples if s.name.endswith("_total"))
     assert unreplayed == 4e-4 and missing - missing_before == 2
+    # the dashboard's routing-replay queries (which the dense end-to-end job leaves empty) read these series
+    for _, expr in ROUTING_REPLAY_ONLY:
+        assert rule_names_in(expr) <= set(after), expr
