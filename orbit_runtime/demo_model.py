@@ -160,9 +160,10 @@ def _architecture_config(arch: str, shape: DemoModelShape, common: dict):
         n_group=2,
         topk_group=1,
         q_lora_rank=shape.hidden_size // 2,
-        kv_lora_rank=shape.hidden_size // 2,
-        qk_nope_head_dim=head_dim // 2,
-        qk_rope_head_dim=head_dim // 2,
+        # DeepSeek-V3's latent width (512 + 64 rope dims): the only one vLLM's CPU MLA decode kernel compiles for
+        kv_lora_rank=512,
+        qk_nope_head_dim=head_dim,
+        qk_rope_head_dim=64,
         v_head_dim=head_dim,
         scoring_func="sigmoid",  # not fields of transformers' config, but vLLM reads them (DeepSeek-V3 sets them)
         topk_method="noaux_tc",

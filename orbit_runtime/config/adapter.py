@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from orbit_runtime.errors import OrbitError
+
 DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -27,3 +29,19 @@ class AdapterSpec(BaseModel):
             "the layout vLLM's MoE LoRA loads). Off: only attention, shared experts and dense MLP layers are adapted."
         ),
     )
+
+
+# LoRA targets vLLM never applies, per model type: DeepSeek-V3's MLA folds kv_b_proj into its
+# attention kernel (the absorbed W_UK / W_UV), so a LoRA layer on it is never called.
+UNSERVED_LORA_TARGETS = {"deepseek_v3": ("kv_b_proj",)}
+
+
+def check_served_targets(model_type: str, adapter: AdapterSpec) -> None:
+    """Refuse LoRA targets the rollout would silently leave out (the learner would train a
+    policy vLLM does not sample from)."""
+    unserved = [t for t in adapter.target_modules if t in UNSERVED_LORA_TARGETS.get(model_type, ())]
+    if unserved:
+        raise OrbitError(
+            f"adapter.target_modules {unserved}: vLLM does not apply LoRA there on {model_type} models "
+            "(MLA folds kv_b_proj into its attention kernel); adapt q_a_proj, q_b_proj, kv_a_proj_with_mqa and o_proj instead"
+        )

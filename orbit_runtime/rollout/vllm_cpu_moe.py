@@ -1,5 +1,7 @@
 """Qwen3-MoE for vLLM's CPU build: every routed expert is a plain INT4 linear layer.
 
+(`ExpertLinearsMoeBlock` also serves the DeepSeek-V3 model in `vllm_cpu_deepseek.py`.)
+
 vLLM's CPU build cannot run this model as stock vLLM builds it (PLATFORM.md): its fused
 INT4 MoE kernel needs AMX, and with LoRA enabled every `FusedMoE` layer takes a Triton
 MoE-LoRA backend that does not run on CPU. This implementation, registered for CPU only by
@@ -39,7 +41,8 @@ from orbit_runtime.moe_routing import RoutingSpec, select_experts
 
 
 class ExpertLinearsMoeBlock(nn.Module):
-    """Router (16 bit, unquantized as in the checkpoint) + routed experts as INT4 linears."""
+    """Router (16 bit, unquantized as in the checkpoint) + routed experts as INT4 linears, and
+    the shared experts of DeepSeek-V3-style models (`n_shared_experts`), added unweighted."""
 
     def __init__(self, vllm_config: VllmConfig, prefix: str) -> None:
         super().__init__()
@@ -49,7 +52,23 @@ class ExpertLinearsMoeBlock(nn.Module):
         self.layer_id = extract_layer_index(prefix)
         self.capture_fn = None
         self.gate = ReplicatedLinear(
-            config.hidden_size, config.num_experts, bias=False, quant_config=None, prefix=f"{prefix}.gate"
+            config.hidden_size, self.spec.num_experts, bias=False, quant_config=None, prefix=f"{prefix}.gate"
+        )
+        if self.spec.correction_bias:  # DeepSeek-V3's selection bias, fp32 as in the checkpoint
+            self.gate.e_score_correction_bias = nn.Parameter(
+                torch.empty(self.spec.num_experts, dtype=torch.float32), requires_grad=False
+            )
+        shared = config.moe_intermediate_size * (getattr(config, "n_shared_experts", None) or 0)
+        self.shared_experts = (
+            Qwen3MoeMLP(
+                hidden_size=config.hidden_size,
+                intermediate_size=shared,
+                hidden_act=config.hidden_act,
+                quant_config=vllm_config.quant_config,
+                prefix=f"{prefix}.shared_experts",
+            )
+            if shared
+            else None
         )
         # Not named `experts`: vLLM's LoRA loader takes any `.experts` module for a FusedMoE
         # one. The weights mapper renames the checkpoint's and the adapter's `.experts.`.
@@ -61,12 +80,18 @@ class ExpertLinearsMoeBlock(nn.Module):
                 quant_config=vllm_config.quant_config,
                 prefix=f"{prefix}.expert_linears.{index}",
             )
-            for index in range(config.num_experts)
+            for index in range(self.spec.num_experts)
         )
 
+    def router_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """As the learner's `Router.logits`: in the model dtype, or fp32 for DeepSeek-V3 (as transformers)."""
+        if self.spec.scoring == "sigmoid":
+            return torch.nn.functional.linear(hidden_states.float(), self.gate.weight.float())
+        return self.gate(hidden_states)[0]
+
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        router_logits, _ = self.gate(hidden_states)
-        weights, ids = select_experts(router_logits, self.spec)
+        router_logits = self.router_logits(hidden_states)
+        weights, ids = select_experts(router_logits, self.spec, getattr(self.gate, "e_score_correction_bias", None))
         if self.capture_fn is not None:
             self.capture_fn(ids)
         # [tokens, experts]: the routing weight of each expert, zero where not chosen
@@ -77,6 +102,8 @@ class ExpertLinearsMoeBlock(nn.Module):
             weight = per_expert[:, index : index + 1]
             # an expert a token did not choose adds exactly 0, even if its fp16 output overflowed
             out += (expert(hidden_states) * weight).masked_fill(weight == 0, 0)
+        if self.shared_experts is not None:  # after the routed ones, as the learner adds them
+            out = out + self.shared_experts(hidden_states)
         return out
 
 
@@ -127,14 +154,16 @@ class DecoderLayer(nn.Module):
         return self.mlp(hidden_states), residual
 
 
-class ExpertLinearsQwen3MoeModel(nn.Module):
-    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+class ExpertLinearsModel(nn.Module):
+    """Embedding, DECODER_LAYER × num_hidden_layers, final norm: vLLM's model body, any decoder layer."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str, decoder_layer: type[nn.Module]) -> None:
         super().__init__()
         config = vllm_config.model_config.hf_text_config
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, prefix=f"{prefix}.embed_tokens")
         self.start_layer, self.end_layer, self.layers = make_layers(
             config.num_hidden_layers,
-            lambda prefix: DecoderLayer(vllm_config, prefix=prefix),
+            lambda prefix: decoder_layer(vllm_config, prefix=prefix),
             prefix=f"{prefix}.layers",
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -151,22 +180,12 @@ class ExpertLinearsQwen3MoeModel(nn.Module):
         return hidden_states
 
 
-class CpuInt4Qwen3MoeForCausalLM(nn.Module, SupportsLoRA):
-    """`Qwen3MoeForCausalLM` for vLLM on CPU, with INT4 experts as linears (see the module docstring)."""
+class ExpertLinearsForCausalLM(nn.Module, SupportsLoRA):
+    """A causal LM of `ExpertLinearsModel` + vLLM's head and logits; subclasses name the decoder
+    layer and how checkpoint names map onto it."""
 
-    # checkpoint (and adapter) names -> this model's: routed experts live in `expert_linears`,
-    # gate/up and q/k/v projections are fused as vLLM fuses them (routed experts included)
-    hf_to_vllm_mapper = WeightsMapper(
-        orig_to_new_substr={".experts.": ".expert_linears."},
-        orig_to_new_stacked={
-            ".q_proj": (".qkv_proj", "q"),
-            ".k_proj": (".qkv_proj", "k"),
-            ".v_proj": (".qkv_proj", "v"),
-            ".gate_proj": (".gate_up_proj", 0),
-            ".up_proj": (".gate_up_proj", 1),
-        }
-    )
-    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    decoder_layer: type[nn.Module]
+    hf_to_vllm_mapper: WeightsMapper
     embedding_modules = {"embed_tokens": "input_embeddings", "lm_head": "output_embeddings"}
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
@@ -174,7 +193,8 @@ class CpuInt4Qwen3MoeForCausalLM(nn.Module, SupportsLoRA):
         config = vllm_config.model_config.hf_text_config
         self.config = config
         self.quant_config = vllm_config.quant_config
-        self.model = ExpertLinearsQwen3MoeModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
+        self.model = ExpertLinearsModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"),
+                                        decoder_layer=self.decoder_layer)  # fmt: skip
         self.lm_head = ParallelLMHead(
             config.vocab_size, config.hidden_size, quant_config=self.quant_config, prefix=maybe_prefix(prefix, "lm_head")
         )
@@ -201,3 +221,22 @@ class CpuInt4Qwen3MoeForCausalLM(nn.Module, SupportsLoRA):
         tied = ["lm_head."] if self.config.tie_word_embeddings else None  # the embedding is the head
         loader = AutoWeightsLoader(self, ignore_unexpected_prefixes=tied)
         return loader.load_weights(weights, mapper=self.hf_to_vllm_mapper)
+
+
+class CpuInt4Qwen3MoeForCausalLM(ExpertLinearsForCausalLM):
+    """`Qwen3MoeForCausalLM` for vLLM on CPU, with INT4 experts as linears (see the module docstring)."""
+
+    decoder_layer = DecoderLayer
+    # checkpoint (and adapter) names -> this model's: routed experts live in `expert_linears`,
+    # gate/up and q/k/v projections are fused as vLLM fuses them (routed experts included)
+    hf_to_vllm_mapper = WeightsMapper(
+        orig_to_new_substr={".experts.": ".expert_linears."},
+        orig_to_new_stacked={
+            ".q_proj": (".qkv_proj", "q"),
+            ".k_proj": (".qkv_proj", "k"),
+            ".v_proj": (".qkv_proj", "v"),
+            ".gate_proj": (".gate_up_proj", 0),
+            ".up_proj": (".gate_up_proj", 1),
+        }
+    )
+    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}

@@ -1,8 +1,8 @@
 """Orbit's vLLM plugin (entry point group `vllm.general_plugins`, loaded by every vLLM process).
 
 On vLLM's CPU build it registers `CpuInt4Qwen3MoeForCausalLM` for the `Qwen3MoeForCausalLM`
-architecture: the stock model cannot run INT4 experts or MoE LoRA there (see
-`vllm_cpu_moe.py`). On GPU it does nothing, so vLLM's own fused MoE model serves.
+architecture and `CpuInt4DeepseekV3ForCausalLM` for `DeepseekV3ForCausalLM`: the stock models
+cannot run INT4 experts or MoE LoRA there (see `vllm_cpu_moe.py`, `vllm_cpu_deepseek.py`). On GPU it does nothing, so vLLM's own fused MoE model serves.
 Set ORBIT_VLLM_CPU_MOE=0 to keep vLLM's model on CPU too (e.g. on a CPU with AMX).
 With VLLM_CPU_INT4_W4A8=0 (colocated engines) it also asks Linux for the AMX state. With
 ORBIT_RETURN_ROUTED_EXPERTS=1 (routing replay) it makes the CPU build return the experts its
@@ -16,7 +16,10 @@ import os
 
 from orbit_runtime.rollout.server import W4A16_ENV
 
-CPU_MOE_MODELS = {"Qwen3MoeForCausalLM": "orbit_runtime.rollout.vllm_cpu_moe:CpuInt4Qwen3MoeForCausalLM"}
+CPU_MOE_MODELS = {
+    "Qwen3MoeForCausalLM": "orbit_runtime.rollout.vllm_cpu_moe:CpuInt4Qwen3MoeForCausalLM",
+    "DeepseekV3ForCausalLM": "orbit_runtime.rollout.vllm_cpu_deepseek:CpuInt4DeepseekV3ForCausalLM",
+}
 log = logging.getLogger(__name__)
 
 

@@ -27,6 +27,7 @@ import torch
 from orbit_runtime.algorithms.grpo import LossConfig
 from orbit_runtime.algorithms.lr_schedule import lr_multiplier
 from orbit_runtime.api_key import api_key, new_api_key
+from orbit_runtime.config.adapter import check_served_targets
 from orbit_runtime.config.fingerprint import config_hash, training_fields
 from orbit_runtime.config.spec import JobSpec
 from orbit_runtime.data.datasets import load_splits
@@ -167,8 +168,10 @@ class Trainer:
                                  lora_rounding=spec.learner.lora_rounding)  # fmt: skip
             if spec.moe.routing_replay and not policy.moe_blocks():
                 raise OrbitError(f"moe.routing_replay: {spec.model.path} is a dense model, it has no MoE layer to replay")
+            check_served_targets(policy.model.config.model_type, spec.adapter)
             return policy
         policy, self.shared_base = load_colocated(spec, self.rollout, self.device, self.learner_dtype)
+        check_served_targets(policy.model.config.model_type, spec.adapter)
         attached = self.shared_base.attached
         self._say(f"placement colocated: the learner computes on the rollout engine's base ({attached.arena.size / 2**20:.1f} MiB, "
                   f"one copy, sealed read-only; vLLM's {attached.meta['kernel']} {attached.meta['isa_hint']})")  # fmt: skip

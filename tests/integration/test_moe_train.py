@@ -17,15 +17,23 @@ import yaml
 pytestmark = pytest.mark.vllm
 
 
-@pytest.fixture(scope="module")
-def moe_int4(tmp_path_factory) -> Path:
+def _int4_demo(root: Path, arch: str) -> Path:
     from orbit_runtime.demo_model import write_demo_model
     from orbit_runtime.int4.quantize import quantize_checkpoint
     from orbit_runtime.int4.schemes import W4A16Int
 
-    root = tmp_path_factory.mktemp("moe-train")
-    quantize_checkpoint(write_demo_model(root / "src", seed=0, arch="qwen3_moe"), root / "int4", W4A16Int(group_size=128))
+    quantize_checkpoint(write_demo_model(root / "src", seed=0, arch=arch), root / "int4", W4A16Int(group_size=128))
     return root / "int4"
+
+
+@pytest.fixture(scope="module")
+def moe_int4(tmp_path_factory) -> Path:
+    return _int4_demo(tmp_path_factory.mktemp("moe-train"), "qwen3_moe")
+
+
+@pytest.fixture(scope="module")
+def deepseek_int4(tmp_path_factory) -> Path:
+    return _int4_demo(tmp_path_factory.mktemp("deepseek-train"), "deepseek_v3")
 
 
 # A dense reward a random model earns in varying amounts, so every group has variance and the
@@ -87,13 +95,17 @@ def test_moe_grpo_syncs_checkpoints_and_resumes(moe_int4, tmp_path):
     assert (checkpoints / "step-00000002").is_dir()
 
 
-def test_moe_grpo_with_routing_replay(moe_int4, tmp_path):
-    """moe.routing_replay: vLLM (CPU build, Orbit's capture) returns every sample's experts, shaped
-    [prompt + completion - 1, layers, k]; the learner replays them and reports routing agreement
-    per layer and the mismatch without replay. No sample falls back to the learner's own routing."""
+def test_deepseek_grpo_with_routing_replay(deepseek_int4, tmp_path):
+    """A DeepSeek-V3-style base (MLA attention, a dense first layer, a shared expert, group-limited
+    sigmoid routing) served by vLLM's CPU build through Orbit's plugin model, with
+    moe.routing_replay: vLLM returns every sample's experts, shaped [prompt + completion - 1,
+    layers, k]; the learner replays them and reports routing agreement per MoE layer and the
+    mismatch without replay. No sample falls back to the learner's own routing; every sync's
+    canary passes (the adapter vLLM serves is the learner's)."""
+    targets = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj", "gate_proj", "up_proj", "down_proj"]
     job = {
-        "model": {"path": str(moe_int4), "dtype": "fp16", "learner_dtype": "fp32"},
-        "adapter": {"rank": 8, "alpha": 16, "routed_experts": True},
+        "model": {"path": str(deepseek_int4), "dtype": "fp16", "learner_dtype": "fp32"},
+        "adapter": {"rank": 8, "alpha": 16, "routed_experts": True, "target_modules": targets},
         "moe": {"routing_replay": True},
         "data": {"type": "synthetic_arithmetic", "max_value": 9, "validation_size": 4},
         "rewards": [{"function": "orbit_moe_rewards:share_of_b"}],
@@ -105,12 +117,14 @@ def test_moe_grpo_with_routing_replay(moe_int4, tmp_path):
     config = tmp_path / "job.yaml"
     config.write_text(yaml.safe_dump(job))
     (tmp_path / "orbit_moe_rewards.py").write_text(SHARE_OF_B)
-    _train(config)
+    _, summary = _train(config)
+    assert summary["steps"] == 2 and summary["canary_failures"] == 0
     rows = [json.loads(line) for line in (tmp_path / "runs" / "replay" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r["kind"] == "step"]
     assert len(steps) == 2
     for step in steps:
         assert step["routing_missing_samples"] == 0, step  # every sample's routing came back, shaped right
-        assert set(step["routing_agreement_by_layer"]) == {"0", "1", "2", "3"}
+        assert set(step["routing_agreement_by_layer"]) == {"1", "2", "3"}  # layer 0 is dense
         assert step["routing_agreement"] >= 0.98, step  # misaligned rows would agree by chance (~1/28)
-        assert step["mismatch_unreplayed_mean_abs"] > 0 and step["mismatch_mean_abs"] > 0
+        assert step["mismatch_unreplayed_mean_abs"] > 0 and 0 < step["mismatch_mean_abs"] < 5e-3, step
+        assert step["canary_mean_abs_dlogp"] < step["canary_tolerance"] / 2, step

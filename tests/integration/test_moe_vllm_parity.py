@@ -1,6 +1,7 @@
-"""MoE parity against real vLLM (CPU build, Orbit's plugin model): on the same INT4 Qwen3-MoE
-base and the same adapter (LoRA on attention AND on every routed expert), vLLM and the learner
-agree on sampled tokens' log-probs and choose the same experts for the same tokens.
+"""MoE parity against real vLLM (CPU build, Orbit's plugin models): on the same INT4 base
+(Qwen3-MoE; DeepSeek-V3-style, with vLLM's MLA attention) and the same adapter (LoRA on
+attention AND on every routed expert), vLLM and the learner agree on sampled tokens' log-probs
+and choose the same experts for the same tokens.
 
 fp16, as the dense parity test: bf16's own noise would hide a real mismatch.
 """
@@ -24,19 +25,30 @@ RANK = 8
 PROBE = Path(__file__).with_name("vllm_moe_probe.py")
 
 
-@pytest.fixture(scope="module")
-def moe_int4(tmp_path_factory) -> Path:
+# arch -> (LoRA targets, on attention, dense MLPs and every expert; the MoE layers of the demo model)
+ARCHS = {
+    "qwen3_moe": (["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], [0, 1, 2, 3]),
+    # all but kv_b_proj, which vLLM's MLA folds into its attention (the trainer refuses it); the
+    # first layer is dense, its MLP and the shared experts adapted too
+    "deepseek_v3": (["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj", "gate_proj", "up_proj", "down_proj"], [1, 2, 3]),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHS))
+def moe_int4(request, tmp_path_factory) -> tuple[str, Path]:
     from orbit_runtime.demo_model import write_demo_model
     from orbit_runtime.int4.quantize import quantize_checkpoint
     from orbit_runtime.int4.schemes import W4A16Int
 
-    root = tmp_path_factory.mktemp("moe-parity")
-    quantize_checkpoint(write_demo_model(root / "src", seed=5, arch="qwen3_moe"), root / "int4", W4A16Int(group_size=128))
-    return root / "int4"
+    root = tmp_path_factory.mktemp(f"moe-parity-{request.param}")
+    quantize_checkpoint(write_demo_model(root / "src", seed=5, arch=request.param), root / "int4", W4A16Int(group_size=128))
+    return request.param, root / "int4"
 
 
-def test_plugin_serves_qwen3_moe_with_expert_linears_on_cpu():
-    """The entry point vLLM loads registers Orbit's CPU model for the Qwen3-MoE architecture."""
+@pytest.mark.parametrize(("architecture", "implementation"), [("Qwen3MoeForCausalLM", "CpuInt4Qwen3MoeForCausalLM"),
+                                                              ("DeepseekV3ForCausalLM", "CpuInt4DeepseekV3ForCausalLM")])  # fmt: skip
+def test_plugin_serves_moe_with_expert_linears_on_cpu(architecture, implementation):
+    """The entry point vLLM loads registers Orbit's CPU models for the MoE architectures."""
     from importlib.metadata import entry_points
 
     from vllm import ModelRegistry
@@ -45,12 +57,15 @@ def test_plugin_serves_qwen3_moe_with_expert_linears_on_cpu():
     plugin.load()()
     from vllm.model_executor.models.interfaces import supports_lora
 
-    model_cls = ModelRegistry._try_load_model_cls("Qwen3MoeForCausalLM")
-    assert model_cls.__name__ == "CpuInt4Qwen3MoeForCausalLM" and supports_lora(model_cls)
+    model_cls = ModelRegistry._try_load_model_cls(architecture)
+    assert model_cls.__name__ == implementation and supports_lora(model_cls)
 
 
 def test_learner_matches_vllm_on_moe(moe_int4, tmp_path):
-    policy = load_policy(moe_int4, AdapterSpec(rank=RANK, alpha=16, routed_experts=True), dtype="fp16")
+    arch, moe_int4 = moe_int4
+    targets, moe_layers = ARCHS[arch]
+    adapter_spec = AdapterSpec(rank=RANK, alpha=16, routed_experts=True, target_modules=targets)
+    policy = load_policy(moe_int4, adapter_spec, dtype="fp16")
     policy.init_adapter_randomly(std=0.02, seed=0)
     adapter = policy.save_adapter(tmp_path / "adapter")
     from safetensors import safe_open
@@ -66,7 +81,7 @@ def test_learner_matches_vllm_on_moe(moe_int4, tmp_path):
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     served = json.loads(out.read_text())
-    assert served["hooked_layers"] == [4]  # Orbit's CPU model served it, not vLLM's fused MoE
+    assert served["hooked_layers"] == [len(moe_layers)]  # Orbit's CPU model served it, not vLLM's fused MoE
     completions = served["completions"]
 
     pairs = [(c["prompt"], c["tokens"]) for c in completions]
@@ -102,13 +117,41 @@ def test_learner_matches_vllm_on_moe(moe_int4, tmp_path):
         chosen.clear()
         with torch.no_grad():
             policy.token_logprobs(torch.tensor([completion["prompt"] + completion["tokens"]]))
-        assert len(chosen) == len(completion["routing"]) == 4
+        assert len(chosen) == len(completion["routing"]) == len(moe_layers)
         for ours_layer, theirs_layer in zip(chosen, completion["routing"], strict=True):
             same += sum(a == b for a, b in zip(ours_layer, theirs_layer, strict=True))
             total += len(theirs_layer)
     for hook in hooks:
         hook.remove()
     rate = same / total
-    print(f"MoE parity: mean |dlogp| {delta.mean():.2e} over {delta.numel()} tokens (adapter effect {adapter_effect:.2e}, "
+    print(f"MoE parity ({arch}): mean |dlogp| {delta.mean():.2e} over {delta.numel()} tokens (adapter effect {adapter_effect:.2e}, "
           f"its routed-expert part {expert_effect:.2e}), routing agreement {rate:.4f} of {total}")  # fmt: skip
     assert rate >= 0.99, f"routing agreement {rate:.4f}"
+
+
+def test_flat_rotary_gives_vllms_cpu_rope_the_layout_it_gets_right():
+    """vLLM's CPU `rotary_embedding` op rotates a [tokens, heads, dims] query wrongly when heads > 1
+    (MLA passes that layout); on [tokens, heads * dims] it is right. FlatRotary, which Orbit's CPU
+    DeepSeek model wraps MLA's rotary in, equals vLLM's own `forward_native` reference."""
+    from vllm.config import CompilationConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    from orbit_runtime.rollout.vllm_cpu_deepseek import FlatRotary
+
+    with set_current_vllm_config(VllmConfig(compilation_config=CompilationConfig(custom_ops=["all"]))):  # as the engine runs
+        rotary = get_rope(64, max_position=1024, rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
+                          is_neox_style=False, dtype=torch.float32)  # fmt: skip
+    assert rotary._forward_method == rotary.forward_cpu
+    generator = torch.Generator().manual_seed(0)
+    positions = torch.arange(7)
+    query = torch.randn(7, 4, 128, generator=generator)[..., 64:]  # MLA's rope half of each head: a strided view
+    key = torch.randn(7, 1, 64, generator=generator)
+    want_query, want_key = rotary.forward_native(positions, query.clone(), key.clone())
+
+    got_query, got_key = FlatRotary(rotary)(positions, query.clone(), key.clone())
+    assert got_query.shape == query.shape and got_key.shape == key.shape
+    torch.testing.assert_close(got_query, want_query, rtol=0, atol=1e-5)
+    torch.testing.assert_close(got_key, want_key, rtol=0, atol=1e-5)
+    # the op on the 3-D layout: if this starts to pass, vLLM fixed it and FlatRotary can go
+    raw_query, _ = rotary(positions, query.contiguous(), key.clone())
+    assert (raw_query - want_query).abs().max() > 0.1, "vLLM's CPU rotary op now handles 3-D queries: drop FlatRotary"

@@ -20,17 +20,13 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
 def record_routing(model, captured: list) -> int:
-    """Hook every Orbit CPU MoE block's router: append (layer, sorted expert ids per token)."""
-    from orbit_runtime.moe_routing import select_experts
+    """Through every Orbit CPU MoE block's capture hook (the one routing replay uses): append
+    (layer, sorted expert ids per token) for each forward."""
     from orbit_runtime.rollout.vllm_cpu_moe import ExpertLinearsMoeBlock
 
     blocks = [(name, m) for name, m in model.named_modules() if isinstance(m, ExpertLinearsMoeBlock)]
     for name, block in blocks:
-
-        def hook(_module, _inputs, output, spec=block.spec, name=name):
-            captured.append((name, select_experts(output[0], spec)[1].sort(-1).values.tolist()))
-
-        block.gate.register_forward_hook(hook)
+        block.capture_fn = lambda ids, name=name: captured.append((name, ids.sort(-1).values.tolist()))
     return len(blocks)
 
 
@@ -39,7 +35,8 @@ def main() -> None:
     from vllm.lora.request import LoRARequest
 
     model_dir, adapter_dir, out_path, rank = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-    llm = LLM(model=model_dir, dtype="float16", enable_lora=True, max_lora_rank=rank, max_loras=1,
+    dtype = sys.argv[5] if len(sys.argv) > 5 else "float16"
+    llm = LLM(model=model_dir, dtype=dtype, enable_lora=True, max_lora_rank=rank, max_loras=1,
               enforce_eager=True, max_model_len=256, enable_prefix_caching=False, seed=0)  # fmt: skip
     captured: list = []
     hooked = llm.apply_model(lambda model: record_routing(model, captured))

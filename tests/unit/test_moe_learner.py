@@ -301,3 +301,16 @@ def test_deepseek_checkpoint_extras(deepseek, tmp_path):
     (with_mtp / "config.json").write_text(json.dumps({**config, "scoring_func": "softmax"}))
     with pytest.raises(OrbitError, match="scoring_func='softmax'"):
         load_policy(with_mtp, AdapterSpec(rank=4, target_modules=["o_proj"]), dtype="fp32")
+
+
+def test_adapter_targets_vllm_would_not_serve_are_refused():
+    """kv_b_proj LoRA on DeepSeek-V3: vLLM's MLA folds the projection into its attention kernel and
+    never calls a LoRA layer on it, so the trainer refuses it, naming the field; elsewhere it is fine."""
+    from orbit_runtime.config.adapter import check_served_targets
+    from orbit_runtime.errors import OrbitError
+
+    adapter = AdapterSpec(target_modules=DEEPSEEK_TARGETS)
+    with pytest.raises(OrbitError, match=r"adapter\.target_modules \['kv_b_proj'\].*deepseek_v3"):
+        check_served_targets("deepseek_v3", adapter)
+    check_served_targets("deepseek_v3", AdapterSpec(target_modules=[t for t in DEEPSEEK_TARGETS if t != "kv_b_proj"]))
+    check_served_targets("qwen3_moe", AdapterSpec(target_modules=["kv_b_proj", "q_proj"]))
