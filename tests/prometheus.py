@@ -88,11 +88,11 @@ class Prometheus:
         self.log.close()
 
 
-# Panels only some jobs feed: (title, PromQL) -> what feeds it. A job without that feature
-# leaves them empty; their queries must still evaluate.
+# Queries only some jobs feed: (title, PromQL) -> what feeds it. A job without that feature
+# leaves them empty; their queries must still evaluate. (The panel's mismatch-without-replay
+# gauge is unlabelled, so prometheus_client exports it, at 0, from the start.)
 ROUTING_REPLAY_ONLY = {
     ("MoE routing (routing replay)", "orbit_learner_routing_agreement"): "moe.routing_replay",
-    ("MoE routing (routing replay)", "orbit_learner_mismatch_unreplayed_mean_abs_logprob"): "moe.routing_replay",
 }
 
 

@@ -114,5 +114,5 @@ def test_routing_replay_figures_reach_the_exposition():
     missing = sum(s.value for s in after["orbit_learner_routing_missing_samples"].samples if s.name.endswith("_total"))
     assert unreplayed == 4e-4 and missing - missing_before == 2
     # the dashboard's routing-replay queries (which the dense end-to-end job leaves empty) read these series
-    for _, expr in ROUTING_REPLAY_ONLY:
+    for _, expr in [*ROUTING_REPLAY_ONLY, ("", "orbit_learner_mismatch_unreplayed_mean_abs_logprob")]:
         assert rule_names_in(expr) <= set(after), expr
