@@ -10,6 +10,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from orbit_runtime.code_reward_command import register as register_code_reward_command
 from orbit_runtime.errors import OrbitError
 from orbit_runtime.plan_command import DOES_NOT_FIT_EXIT, admission_check, check_pod_fit, write_termination_log
 from orbit_runtime.plan_command import register as register_plan_command
@@ -380,6 +381,7 @@ def crd(
 
 register_role_commands(app, _fail, _configure_logging)
 register_plan_command(app, _fail)
+register_code_reward_command(app, _fail)
 
 if __name__ == "__main__":
     app()

@@ -13,6 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from orbit_runtime.config.adapter import AdapterSpec
+from orbit_runtime.config.code_data import HumanEvalData, SyntheticCodeData
 from orbit_runtime.config.learner import LearnerSpec
 from orbit_runtime.config.moe import MoeSpec
 from orbit_runtime.config.storage_uri import validate_storage_uri
@@ -141,13 +142,13 @@ class FileData(Section):
     template: str | None = Field(None, description="Python format string over the row's fields; default: the prompt field as is.")
 
 
-DataSpec = Annotated[SyntheticArithmeticData | FileData, Field(discriminator="type")]
+DataSpec = Annotated[SyntheticArithmeticData | FileData | HumanEvalData | SyntheticCodeData, Field(discriminator="type")]
 
 
 class RewardSpec(Section):
     """One reward function: a built-in name or a dotted path `package.module:function`."""
 
-    function: str = Field(description="Built-in (exact_match, boxed_format, regex) or 'module.path:callable'.")
+    function: str = Field(description="Built-in (exact_match, prefix_match, boxed_format, regex, code_tests) or 'module.path:callable'.")
     weight: float = Field(1.0, description="Its weight in the summed reward.")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments passed to the function.")
     max_error_fraction: float = Field(
@@ -355,7 +356,7 @@ class JobSpec(Section):
     learner: LearnerSpec = Field(default_factory=LearnerSpec)
     algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
     data: DataSpec = Field(
-        default_factory=SyntheticArithmeticData, description="The prompts: synthetic arithmetic, or a JSONL/Parquet file."
+        default_factory=SyntheticArithmeticData, description="The prompts: synthetic arithmetic, a JSONL/Parquet file, HumanEval or synthetic code tasks."
     )
     rewards: list[RewardSpec] = Field(
         default_factory=lambda: [RewardSpec(function="exact_match")], min_length=1, description="The reward functions, summed by weight."

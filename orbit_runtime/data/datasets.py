@@ -8,7 +8,9 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from orbit_runtime.config.code_data import HumanEvalData, SyntheticCodeData
 from orbit_runtime.config.spec import FileData, SyntheticArithmeticData
+from orbit_runtime.data.code_tasks import humaneval_splits, synthetic_code_splits
 from orbit_runtime.errors import OrbitError
 
 
@@ -97,7 +99,11 @@ def file_splits(spec: FileData) -> Splits:
     return Splits(train=examples[: -spec.validation_size], validation=examples[-spec.validation_size :])
 
 
-def load_splits(spec: SyntheticArithmeticData | FileData) -> Splits:
+def load_splits(spec: SyntheticArithmeticData | FileData | HumanEvalData | SyntheticCodeData) -> Splits:
     if isinstance(spec, SyntheticArithmeticData):
         return arithmetic_splits(spec)
+    if isinstance(spec, HumanEvalData):
+        return humaneval_splits(spec)
+    if isinstance(spec, SyntheticCodeData):
+        return synthetic_code_splits(spec)
     return file_splits(spec)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from orbit_runtime.rewards.code import code_tests
+
 _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
@@ -84,4 +86,6 @@ def regex(completions: list[str], *, pattern: str, **_: Any) -> list[float | Non
     return [1.0 if compiled.search(text) else 0.0 for text in completions]
 
 
-BUILTINS = {"exact_match": exact_match, "prefix_match": prefix_match, "boxed_format": boxed_format, "regex": regex}
+# code_tests runs programs in a sandbox: orbit_runtime/rewards/code.py
+BUILTINS = {"exact_match": exact_match, "prefix_match": prefix_match, "boxed_format": boxed_format, "regex": regex,
+            "code_tests": code_tests}  # fmt: skip

@@ -1,0 +1,198 @@
+"""Judge one program in a bubblewrap sandbox, with limits, leaving nothing behind.
+
+The sandbox (`bwrap_argv`, pure) has every namespace unshared (no network: only its own
+loopback; its own pid namespace, so it cannot see or signal the learner), a read-only /usr
+and nothing else of the host: not the run's files, its credentials or its environment
+(`--clearenv`). Its one writable place is a private, size-capped /tmp. Limits come from
+`prlimit` (CPU seconds, address space, processes, file size) and from here (wall time,
+output). When the run runs as root, the sandbox runs as an unprivileged uid so the process
+limit binds (the kernel does not apply RLIMIT_NPROC to root). When it returns, the sandbox's
+whole process tree is gone: killing bwrap kills its pid namespace (`--die-with-parent`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from orbit_runtime.errors import OrbitError
+
+HERE = Path(__file__).resolve().parent
+JUDGE_FILES = ("judge_harness.py", "judge_runner.py")
+STATUSES = ("ok", "timeout", "memory", "output_limit", "crashed", "syntax_error", "sandbox_error")
+NOBODY = 65534
+
+
+class SandboxUnavailable(OrbitError):
+    """bwrap (or prlimit, or a Python for the sandbox) is missing or cannot make a sandbox here."""
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    """What one judged program may use."""
+
+    cpu_seconds: int = 5
+    wall_seconds: float = 10.0
+    memory_mb: int = 512  # address space of each process in the sandbox
+    processes: int = 32  # beyond what the sandbox's uid already runs
+    file_size_mb: int = 8  # the largest file it may write
+    tmp_mb: int = 32  # its whole /tmp
+    output_bytes: int = 64 * 1024  # what the program may print
+
+
+@dataclass(frozen=True)
+class Verdict:
+    passed: int
+    total: int
+    status: str  # one of STATUSES
+    seconds: float
+    detail: str = ""
+
+    @property
+    def reward(self) -> float:
+        """The pass rate: tests that passed before the program stopped count, the rest do not."""
+        return self.passed / self.total if self.total else 0.0
+
+    def as_json(self) -> dict:
+        return {"passed": self.passed, "total": self.total, "reward": self.reward, "status": self.status}
+
+
+def sandbox_python() -> tuple[str, str | None]:
+    """(interpreter, prefix to bind read-only or None): the system's python3 under /usr, else this one's own."""
+    for candidate in ("/usr/bin/python3", "/usr/local/bin/python3"):
+        if os.access(candidate, os.X_OK):
+            return candidate, None
+    prefix = os.path.realpath(sys.base_prefix)
+    return os.path.join(prefix, "bin", f"python{sys.version_info.major}.{sys.version_info.minor}"), prefix
+
+
+def bwrap_argv(judge_dir: Path, limits: SandboxLimits, python: str, python_prefix: str | None, nproc: int) -> list[str]:
+    """The command that runs the judge harness in the sandbox (pure)."""
+    argv = [
+        # SIGXCPU at the soft CPU limit (the judge reports a timeout), SIGKILL a second later
+        "prlimit", f"--cpu={limits.cpu_seconds}:{limits.cpu_seconds + 1}", f"--as={limits.memory_mb << 20}",
+        f"--nproc={nproc}", f"--fsize={limits.file_size_mb << 20}", "--core=0", "--",
+        "bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--as-pid-1", "--cap-drop", "ALL",
+        "--ro-bind", "/usr", "/usr",
+    ]  # fmt: skip
+    for link in ("bin", "lib", "lib64", "sbin"):
+        target = Path("/") / link
+        if target.is_symlink():
+            argv += ["--symlink", os.readlink(target), f"/{link}"]
+        elif target.is_dir():
+            argv += ["--ro-bind", str(target), f"/{link}"]
+    if python_prefix:
+        argv += ["--ro-bind", python_prefix, python_prefix]
+    argv += [
+        "--proc", "/proc", "--dev", "/dev",
+        "--size", str(limits.tmp_mb << 20), "--tmpfs", "/tmp",
+        "--ro-bind", str(judge_dir), "/judge", "--chdir", "/tmp",
+        "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp",
+        "--setenv", "PYTHONDONTWRITEBYTECODE", "1",
+        python, "-I", "-S", "/judge/judge_harness.py",
+    ]  # fmt: skip
+    return argv
+
+
+def check_sandbox_tools() -> None:
+    """Raise SandboxUnavailable naming what is missing."""
+    for tool in ("bwrap", "prlimit"):
+        if shutil.which(tool) is None:
+            raise SandboxUnavailable(f"{tool} not found on PATH: the code sandbox needs bubblewrap and util-linux's prlimit")
+
+
+def _tasks_of(uid: int) -> int:
+    """Processes and threads the uid runs now (what RLIMIT_NPROC counts)."""
+    count = 0
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                if entry.stat().st_uid == uid:
+                    count += len(os.listdir(f"/proc/{entry.name}/task"))
+            except OSError:
+                pass
+    return count
+
+
+def _read_capped(stream, limit: int, out: list[bytes], over: threading.Event) -> None:
+    size = 0
+    while chunk := stream.read1(65536):
+        size += len(chunk)
+        if size > limit:
+            over.set()
+            return
+        out.append(chunk)
+
+
+def judge_program(program: str, tests: str, entry_point: str | None, limits: SandboxLimits = SandboxLimits()) -> Verdict:
+    """Run PROGRAM against TESTS in a fresh sandbox and say how it did."""
+    check_sandbox_tools()
+    started = time.monotonic()
+    python, prefix = sandbox_python()
+    uid = NOBODY if os.geteuid() == 0 else os.geteuid()
+    with tempfile.TemporaryDirectory(prefix="orbit-judge-") as tmp:
+        judge_dir = Path(tmp)
+        for name in JUDGE_FILES:
+            shutil.copyfile(HERE / name, judge_dir / name)
+        (judge_dir / "program.py").write_text(program)
+        (judge_dir / "tests.py").write_text(tests)
+        meta = {"entry_point": entry_point, "wall_seconds": limits.wall_seconds, "output_bytes": limits.output_bytes}
+        (judge_dir / "meta.json").write_text(json.dumps(meta))
+        judge_dir.chmod(0o755)  # readable by the sandbox's uid, writable by nobody in it (a read-only bind anyway)
+        argv = bwrap_argv(judge_dir, limits, python, prefix, _tasks_of(uid) + limits.processes)
+        user = {"user": NOBODY, "group": NOBODY, "extra_groups": []} if os.geteuid() == 0 else {}
+        try:
+            process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                       env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")}, close_fds=True, **user)  # fmt: skip
+        except OSError as exc:
+            return Verdict(0, 0, "sandbox_error", time.monotonic() - started, f"cannot start the sandbox: {exc}")
+        events: list[bytes] = []
+        errors: list[bytes] = []
+        over = threading.Event()
+        readers = [threading.Thread(target=_read_capped, args=(process.stdout, 1 << 20, events, over), daemon=True),
+                   threading.Thread(target=_read_capped, args=(process.stderr, 1 << 16, errors, threading.Event()), daemon=True)]  # fmt: skip
+        for reader in readers:
+            reader.start()
+        timed_out = False
+        try:
+            process.wait(timeout=limits.wall_seconds + 2.0)  # the harness stops itself at wall_seconds
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        process.kill()  # bwrap's death takes its pid namespace, and whatever is left in it, along
+        process.wait()
+        for reader in readers:
+            reader.join(timeout=5)
+    return _verdict(b"".join(events).decode(errors="replace"), b"".join(errors).decode(errors="replace"),
+                    timed_out, process.returncode, time.monotonic() - started)  # fmt: skip
+
+
+def _verdict(events: str, errors: str, timed_out: bool, returncode: int, seconds: float) -> Verdict:
+    """The harness's JSON lines (and bwrap's stderr) -> a Verdict."""
+    total, passed, status = 0, 0, None
+    for line in events.splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if "total" in event:
+            total = int(event["total"])
+        elif "test" in event:
+            passed += bool(event.get("passed"))
+        elif "status" in event:
+            status = event["status"] if event["status"] in STATUSES else "sandbox_error"
+    if status is None:
+        if timed_out:
+            status = "timeout"
+        elif not events:  # bwrap or the harness never started
+            return Verdict(0, 0, "sandbox_error", seconds, errors.strip()[-500:] or f"exit {returncode}")
+        else:
+            status = "crashed"
+    return Verdict(min(passed, total), total, status, seconds)
