@@ -108,7 +108,7 @@ class SyntheticArithmeticData(Section):
     """Generated `a op b` problems; the answer is checked exactly."""
 
     type: Literal["synthetic_arithmetic"] = Field(
-        "synthetic_arithmetic", description="synthetic_arithmetic, jsonl or parquet: which kind of data (and fields) this is."
+        "synthetic_arithmetic", description="synthetic_arithmetic, jsonl, parquet, humaneval or synthetic_code: which kind of data (and fields) this is."
     )
     operations: list[Literal["+", "-", "*"]] = Field(
         default_factory=lambda: ["+"], min_length=1, description="Operators drawn from (+, -, *)."
