@@ -181,6 +181,11 @@ def _resources(role: RoleResources) -> dict:
     return {"requests": dict(amounts), "limits": dict(amounts)}
 
 
+def judges_code(spec: RLTrainingJobSpec) -> bool:
+    """Whether the job's learner runs programs in the bwrap sandbox (the built-in code_tests reward)."""
+    return any(reward.function == "code_tests" for reward in spec.rewards)
+
+
 def _security_context() -> dict:
     return {
         "allowPrivilegeEscalation": False,
@@ -294,6 +299,8 @@ def build_pod(name: str, namespace: str, spec: RLTrainingJobSpec, settings: Oper
                           {"name": "run", "mountPath": RUN_MOUNT}, {"name": "dshm", "mountPath": "/dev/shm"}])  # fmt: skip
     # the final /status (JSON) or, when the learner fails, the end of its log: the operator reads it from the pod
     learner.update(terminationMessagePath=TERMINATION_LOG, terminationMessagePolicy="FallbackToLogsOnError")
+    if judges_code(spec):  # bwrap makes user namespaces, which RuntimeDefault refuses; still no capability
+        learner["securityContext"]["seccompProfile"] = {"type": "Localhost", "localhostProfile": settings.sandbox_seccomp_profile}
     if spec.base.pvc is not None:
         learner["volumeMounts"].append({"name": "base-source", "mountPath": DATA_MOUNT, "readOnly": True})
     ports = {**PORTS, "learner": settings.learner_status_port}

@@ -39,6 +39,9 @@ class OperatorSettings:
     namespaces: tuple[str, ...] = ()  # watched namespaces; empty: cluster-wide
     max_gpus_per_node: int = 8
     run_as_user: int = RUNTIME_USER  # the runtime image's non-root user; the cache root must be writable by it
+    # the learner's seccomp profile (a Localhost profile on every node) when a job judges code in the bwrap
+    # sandbox: RuntimeDefault refuses the user namespaces bwrap makes (docs/code-rewards.md)
+    sandbox_seccomp_profile: str = "orbit/bwrap.json"
     status_poll_seconds: float = 10.0  # how often a running job is reconciled and its learner polled
     resync_seconds: float = 300.0  # how often any other job is reconciled when nothing about it changes
     reconcile_workers: int = 4  # reconciles run at once (of different jobs)
@@ -128,6 +131,7 @@ class OperatorSettings:
             namespaces=names("ORBIT_NAMESPACES"),
             max_gpus_per_node=number("ORBIT_MAX_GPUS_PER_NODE", 8),
             run_as_user=number("ORBIT_RUN_AS_USER", RUNTIME_USER),
+            sandbox_seccomp_profile=env.get("ORBIT_SANDBOX_SECCOMP_PROFILE") or "orbit/bwrap.json",
             status_poll_seconds=number("ORBIT_STATUS_POLL_SECONDS", 10.0, float),
             resync_seconds=number("ORBIT_RESYNC_SECONDS", 300.0, float),
             reconcile_workers=number("ORBIT_RECONCILE_WORKERS", 4),

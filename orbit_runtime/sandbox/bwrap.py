@@ -1,8 +1,8 @@
 """Judge one program in a bubblewrap sandbox, with limits, leaving nothing behind.
 
 The sandbox (`bwrap_argv`, pure) has every namespace unshared (no network: only its own
-loopback; its own pid namespace, so it cannot see or signal the learner), a read-only /usr
-and nothing else of the host: not the run's files, its credentials or its environment
+loopback; its own pid namespace, so it cannot see or signal the learner), a read-only /usr,
+no /proc, and nothing else of the host: not the run's files, its credentials or its environment
 (`--clearenv`). Its one writable place is a private, size-capped /tmp. Limits come from
 `prlimit` (CPU seconds, address space, processes, file size) and from here (wall time,
 output). When the run runs as root, the sandbox runs as an unprivileged uid so the process
@@ -12,6 +12,7 @@ whole process tree is gone: killing bwrap kills its pid namespace (`--die-with-p
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -74,8 +75,20 @@ def sandbox_python() -> tuple[str, str | None]:
     return os.path.join(prefix, "bin", f"python{sys.version_info.major}.{sys.version_info.minor}"), prefix
 
 
-def bwrap_argv(judge_dir: Path, limits: SandboxLimits, python: str, python_prefix: str | None, nproc: int) -> list[str]:
-    """The command that runs the judge harness in the sandbox (pure)."""
+@functools.cache
+def bwrap_version() -> tuple[int, ...]:
+    """bwrap's version, e.g. (0, 8, 0); (0,) when it does not say."""
+    try:
+        out = subprocess.run(["bwrap", "--version"], capture_output=True, text=True, timeout=10).stdout
+        return tuple(int(x) for x in out.split()[-1].split("."))
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return (0,)
+
+
+def bwrap_argv(judge_dir: Path, limits: SandboxLimits, python: str, python_prefix: str | None, nproc: int,
+               tmp_size: bool = True) -> list[str]:  # fmt: skip
+    """The command that runs the judge harness in the sandbox (pure). TMP_SIZE: bwrap takes --size
+    (0.8 and later; without it /tmp is capped only per file, by the file-size limit)."""
     argv = [
         # SIGXCPU at the soft CPU limit (the judge reports a timeout), SIGKILL a second later
         "prlimit", f"--cpu={limits.cpu_seconds}:{limits.cpu_seconds + 1}", f"--as={limits.memory_mb << 20}",
@@ -92,8 +105,8 @@ def bwrap_argv(judge_dir: Path, limits: SandboxLimits, python: str, python_prefi
     if python_prefix:
         argv += ["--ro-bind", python_prefix, python_prefix]
     argv += [
-        "--proc", "/proc", "--dev", "/dev",
-        "--size", str(limits.tmp_mb << 20), "--tmpfs", "/tmp",
+        "--dev", "/dev",  # no /proc: a container masks parts of its own, so mounting one needs privileges
+        *(["--size", str(limits.tmp_mb << 20)] if tmp_size else []), "--tmpfs", "/tmp",
         "--ro-bind", str(judge_dir), "/judge", "--chdir", "/tmp",
         "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp",
         "--setenv", "PYTHONDONTWRITEBYTECODE", "1",
@@ -147,7 +160,7 @@ def judge_program(program: str, tests: str, entry_point: str | None, limits: San
         meta = {"entry_point": entry_point, "wall_seconds": limits.wall_seconds, "output_bytes": limits.output_bytes}
         (judge_dir / "meta.json").write_text(json.dumps(meta))
         judge_dir.chmod(0o755)  # readable by the sandbox's uid, writable by nobody in it (a read-only bind anyway)
-        argv = bwrap_argv(judge_dir, limits, python, prefix, _tasks_of(uid) + limits.processes)
+        argv = bwrap_argv(judge_dir, limits, python, prefix, _tasks_of(uid) + limits.processes, bwrap_version() >= (0, 8))
         user = {"user": NOBODY, "group": NOBODY, "extra_groups": []} if os.geteuid() == 0 else {}
         try:
             process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

@@ -6,6 +6,7 @@ cannot see the node's, and the per-job NetworkPolicy admits only the pod, the op
 monitoring namespace."""
 
 import copy
+import json
 
 import celpy
 import pytest
@@ -158,3 +159,23 @@ def test_the_network_policy_admits_only_the_pod_the_operator_and_monitoring():
     import kubernetes_validate
 
     kubernetes_validate.validate(policy, "1.32", strict=True)
+
+
+def test_a_job_that_judges_code_gets_the_sandbox_profile_on_its_learner_only():
+    """code_tests runs bwrap in the learner: its container (only) runs under the Localhost profile
+    the chart ships, which allows user namespaces and mounts; every capability stays dropped and
+    the pod still passes the policy."""
+    job = yaml.safe_load((ROOT / "examples" / "rljob.yaml").read_text())
+    job["spec"]["rewards"] = [{"function": "code_tests"}]
+    settings = OperatorSettings(cache_root=CACHE_ROOT, sandbox_seccomp_profile="orbit/bwrap.json")
+    pod = build_pod("code", "ml", validate_job(job).spec, settings, attempt=0)
+    containers = {c["name"]: c for c in pod["spec"]["containers"] + pod["spec"]["initContainers"]}
+    assert containers["learner"]["securityContext"]["seccompProfile"] == {"type": "Localhost", "localhostProfile": "orbit/bwrap.json"}
+    assert containers["learner"]["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert all("seccompProfile" not in c["securityContext"] for name, c in containers.items() if name != "learner")
+    assert "seccompProfile" not in next(c for c in operator_pod()["spec"]["containers"] if c["name"] == "learner")["securityContext"]
+    assert refusals(_policy(), pod) == []
+    profile = json.loads((ROOT / "charts" / "orbit" / "files" / "seccomp-bwrap.json").read_text())
+    denied = {name for rule in profile["syscalls"] if rule["action"] != "SCMP_ACT_ALLOW" for name in rule["names"]}
+    assert profile["defaultAction"] == "SCMP_ACT_ALLOW" and not denied & {"unshare", "clone", "clone3", "mount", "pivot_root", "setns"}
+    assert {"ptrace", "bpf", "kexec_load", "init_module", "perf_event_open"} <= denied
