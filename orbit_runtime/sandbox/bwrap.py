@@ -156,14 +156,13 @@ def judge_program(program: str, tests: str, entry_point: str | None, limits: San
         for name in JUDGE_FILES:
             shutil.copyfile(HERE / name, judge_dir / name)
         (judge_dir / "program.py").write_text(program)
-        (judge_dir / "tests.py").write_text(tests)
-        meta = {"entry_point": entry_point, "wall_seconds": limits.wall_seconds, "output_bytes": limits.output_bytes}
-        (judge_dir / "meta.json").write_text(json.dumps(meta))
+        # the tests go to the harness on its stdin: a file in the sandbox would let the program read the answers
+        meta = {"tests": tests, "entry_point": entry_point, "wall_seconds": limits.wall_seconds, "output_bytes": limits.output_bytes}
         judge_dir.chmod(0o755)  # readable by the sandbox's uid, writable by nobody in it (a read-only bind anyway)
         argv = bwrap_argv(judge_dir, limits, python, prefix, _tasks_of(uid) + limits.processes, bwrap_version() >= (0, 8))
         user = {"user": NOBODY, "group": NOBODY, "extra_groups": []} if os.geteuid() == 0 else {}
         try:
-            process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                        env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")}, close_fds=True, **user)  # fmt: skip
         except OSError as exc:
             return Verdict(0, 0, "sandbox_error", time.monotonic() - started, f"cannot start the sandbox: {exc}")
@@ -174,6 +173,11 @@ def judge_program(program: str, tests: str, entry_point: str | None, limits: San
                    threading.Thread(target=_read_capped, args=(process.stderr, 1 << 16, errors, threading.Event()), daemon=True)]  # fmt: skip
         for reader in readers:
             reader.start()
+        try:
+            process.stdin.write(json.dumps(meta).encode())
+            process.stdin.close()
+        except OSError:  # bwrap died before the harness read it: its stderr says why
+            pass
         timed_out = False
         try:
             process.wait(timeout=limits.wall_seconds + 2.0)  # the harness stops itself at wall_seconds

@@ -11,7 +11,8 @@ body of `check(candidate)` (HumanEval style, `candidate` being the entry point).
 statements are setup; when one fails, the tests after it fail. Every program function the
 tests name is a proxy that calls into the child.
 
-Writes JSON lines on stdout: {"total": m}, one {"test": i, "passed": bool} per test as it is
+Reads {"tests", "entry_point", "wall_seconds", "output_bytes"} (JSON) on stdin; the program
+never sees the tests. Writes JSON lines on stdout: {"total": m}, one {"test": i, "passed": bool} per test as it is
 judged, then {"status": ...}.
 """
 
@@ -144,10 +145,11 @@ def main() -> None:
     except (OSError, AttributeError):
         emit(status="sandbox_error", detail="prctl(PR_SET_DUMPABLE) failed")
         return
-    with open(os.path.join(JUDGE, "meta.json")) as meta_file:
-        meta = json.load(meta_file)
-    with open(os.path.join(JUDGE, "tests.py")) as tests_file:
-        statements, _ = test_statements(tests_file.read(), meta.get("entry_point"))
+    # the tests come on stdin, never as a file: the program must not read them (it could answer
+    # each assert's expected value without solving anything)
+    meta = json.loads(sys.stdin.read())
+    sys.stdin.close()
+    statements, _ = test_statements(meta["tests"], meta.get("entry_point"))
     tests = [s for s in statements if is_test(s)]
     emit(total=len(tests))
     program = Program(time.monotonic() + meta["wall_seconds"], meta["output_bytes"])

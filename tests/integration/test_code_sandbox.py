@@ -41,7 +41,13 @@ def target(tmp_path, monkeypatch):
     monkeypatch.setenv("ORBIT_API_KEY", "orbit-s3cr3t")
     listener = socket.create_server(("127.0.0.1", 0))
     connections: list = []
-    threading.Thread(target=lambda: connections.append(listener.accept()), daemon=True).start()
+    def accept() -> None:
+        try:
+            connections.append(listener.accept())
+        except OSError:  # closed at teardown, nobody having connected
+            pass
+
+    threading.Thread(target=accept, daemon=True).start()
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     yield {"secret": secret, "port": listener.getsockname()[1], "connections": connections, "sleeper": sleeper,
            "outside": tmp_path / "written-by-the-program"}  # fmt: skip
@@ -86,6 +92,13 @@ def _hostile_programs(t: dict, marker: str) -> dict[str, tuple[str, set[str]]]:
             "import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
             f"        os.execv('/usr/bin/python3', ['python3', '-c', 'import time; time.sleep(60)', {marker!r}])\n"
             "    os._exit(0)\ndef attack():\n    time.sleep(1)\n    return False\n", {"ok"}),  # fmt: skip
+        "read the tests for the answers": (
+            # (the text it looks for is built at run time: its own source must not contain it)
+            "import glob, sys\nTESTS = 'assert att' + 'ack() is True'\ndef attack():\n"
+            "    paths = glob.glob('/judge/*') + glob.glob('/tmp/**', recursive=True) + glob.glob('/*')\n"
+            "    for path in paths:\n        try:\n"
+            "            if TESTS in open(path).read():\n                return True\n"
+            "        except OSError:\n            pass\n    return TESTS in sys.stdin.read()\n", {"ok"}),  # fmt: skip
         "rewrite the tests": (
             "def attack():\n    open('/judge/tests.py', 'w').write('pass\\n')\n    return False\n", {"ok"}),
         "always-equal object": (
