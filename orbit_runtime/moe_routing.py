@@ -41,6 +41,9 @@ class RoutingSpec:
             return cls(config.num_experts, config.num_experts_per_tok, "softmax", bool(config.norm_topk_prob))
         if model_type == "deepseek_v3":
             # vLLM reads these two (defaults: softmax, no bias); DeepSeek-V3's checkpoints set them so
+            if getattr(config, "moe_layer_freq", 1) != 1:  # vLLM honours it, transformers' model does not
+                raise OrbitError(f"deepseek_v3 moe_layer_freq={config.moe_layer_freq}: only 1 (every layer after "
+                                 "first_k_dense_replace is MoE) is supported")  # fmt: skip
             scoring, method = getattr(config, "scoring_func", "sigmoid"), getattr(config, "topk_method", "noaux_tc")
             if (scoring, method) != ("sigmoid", "noaux_tc"):
                 raise OrbitError(

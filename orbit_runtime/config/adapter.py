@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from orbit_runtime.errors import OrbitError
@@ -31,8 +34,9 @@ class AdapterSpec(BaseModel):
     )
 
 
-# LoRA targets vLLM never applies, per model type: DeepSeek-V3's MLA folds kv_b_proj into its
-# attention kernel (the absorbed W_UK / W_UV), so a LoRA layer on it is never called.
+# LoRA targets vLLM never applies, per model type: DeepSeek-V3's MLA calls kv_b_proj in prefill
+# through its attention implementation's own reference (taken before the LoRA wrapping) and uses
+# the absorbed W_UK / W_UV in decode, so a LoRA on it never reaches the rollout.
 UNSERVED_LORA_TARGETS = {"deepseek_v3": ("kv_b_proj",)}
 
 
@@ -43,5 +47,14 @@ def check_served_targets(model_type: str, adapter: AdapterSpec) -> None:
     if unserved:
         raise OrbitError(
             f"adapter.target_modules {unserved}: vLLM does not apply LoRA there on {model_type} models "
-            "(MLA folds kv_b_proj into its attention kernel); adapt q_a_proj, q_b_proj, kv_a_proj_with_mqa and o_proj instead"
+            "(its MLA attention computes kv_b_proj without the LoRA layer); adapt q_a_proj, q_b_proj, kv_a_proj_with_mqa "
+            "and o_proj instead"
         )
+
+
+def model_type(model_dir: Path) -> str:
+    """MODEL_DIR's config.json `model_type`; "" when it cannot be read (the loader reports that, naming the file)."""
+    try:
+        return str(json.loads((model_dir / "config.json").read_text()).get("model_type", ""))
+    except (OSError, ValueError, AttributeError):
+        return ""

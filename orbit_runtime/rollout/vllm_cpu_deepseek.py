@@ -16,8 +16,9 @@ right), and MLA passes the 3-D one. `FlatRotary` hands the op the 2-D layout.
 Two differences from vLLM's GPU model, both to compute what the learner computes:
 - no fp16 rescaling of the hidden states by `1/routed_scaling_factor` (vLLM's overflow guard;
   the learner, like transformers, does not rescale);
-- LoRA on `kv_b_proj` is not served: MLA folds that projection into its attention kernel
-  (`W_UK`, `W_UV`), where a LoRA layer is never called. The trainer refuses such an adapter
+- LoRA on `kv_b_proj` is not served: MLA's prefill calls the projection through its attention
+  implementation's own reference, taken before vLLM wraps it for LoRA, and its decode uses the
+  absorbed weights (`W_UK`, `W_UV`). The trainer refuses such an adapter
   (`config.adapter.UNSERVED_LORA_TARGETS`).
 """
 
@@ -27,7 +28,8 @@ import torch
 from torch import nn
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.layernorm import RMSNorm
-from vllm.model_executor.models.deepseek_v2 import DeepseekV2Attention, DeepseekV2MLAAttention, DeepseekV2MLP
+from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
+from vllm.model_executor.models.deepseek_v2 import DeepseekV2MLAAttention, DeepseekV2MLP
 from vllm.model_executor.models.utils import WeightsMapper, extract_layer_index
 
 from orbit_runtime.rollout.vllm_cpu_moe import ExpertLinearsForCausalLM, ExpertLinearsMoeBlock
@@ -37,7 +39,7 @@ class FlatRotary(nn.Module):
     """vLLM's rotary embedding, called with queries and keys flattened to [tokens, heads * dims].
 
     vLLM's CPU `rotary_embedding` op gets a [tokens, heads, dims] query with heads > 1 wrong
-    (off by O(1) against its own `forward_native`; `test_vllm_cpu_deepseek.py` shows it)."""
+    (off by O(1) against its own `forward_native`; `test_moe_vllm_parity.py` shows it)."""
 
     def __init__(self, rotary: nn.Module) -> None:
         super().__init__()
@@ -49,14 +51,21 @@ class FlatRotary(nn.Module):
         return flat_query.view(query.shape), flat_key.view(key.shape)
 
 
+def flat_if_it_calls_the_op(rotary: nn.Module) -> nn.Module:
+    """ROTARY wrapped in FlatRotary when its CPU forward is the `rotary_embedding` op (default
+    rope); as it is otherwise: DeepSeek's YaRN rope computes in PyTorch on CPU, on the 3-D layout."""
+    return FlatRotary(rotary) if type(rotary).forward_cpu is RotaryEmbedding.forward_cpu else rotary
+
+
 class DeepseekDecoderLayer(nn.Module):
     """vLLM's DeepSeek attention (MLA) and dense MLP, Orbit's expert-linear MoE block."""
 
     def __init__(self, vllm_config: VllmConfig, prefix: str) -> None:
         super().__init__()
         config = vllm_config.model_config.hf_text_config
-        attention = DeepseekV2MLAAttention if vllm_config.model_config.use_mla else DeepseekV2Attention
-        self.self_attn = attention(
+        if not vllm_config.model_config.use_mla:  # (VLLM_MLA_DISABLE) its attention calls kv_b_proj and rope otherwise
+            raise ValueError("Orbit's CPU DeepSeek-V3 model runs with MLA attention only; unset VLLM_MLA_DISABLE")
+        self.self_attn = DeepseekV2MLAAttention(
             vllm_config=vllm_config,
             config=config,
             hidden_size=config.hidden_size,
@@ -71,8 +80,7 @@ class DeepseekDecoderLayer(nn.Module):
             quant_config=vllm_config.quant_config,
             prefix=f"{prefix}.self_attn",
         )
-        if hasattr(self.self_attn, "mla_attn"):
-            self.self_attn.mla_attn.rotary_emb = FlatRotary(self.self_attn.mla_attn.rotary_emb)
+        self.self_attn.mla_attn.rotary_emb = flat_if_it_calls_the_op(self.self_attn.mla_attn.rotary_emb)
         layer_index = extract_layer_index(prefix)
         sparse = layer_index >= config.first_k_dense_replace and layer_index % getattr(config, "moe_layer_freq", 1) == 0
         if sparse:

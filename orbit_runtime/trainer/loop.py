@@ -27,7 +27,7 @@ import torch
 from orbit_runtime.algorithms.grpo import LossConfig
 from orbit_runtime.algorithms.lr_schedule import lr_multiplier
 from orbit_runtime.api_key import api_key, new_api_key
-from orbit_runtime.config.adapter import check_served_targets
+from orbit_runtime.config.adapter import check_served_targets, model_type
 from orbit_runtime.config.fingerprint import config_hash, training_fields
 from orbit_runtime.config.spec import JobSpec
 from orbit_runtime.data.datasets import load_splits
@@ -163,15 +163,14 @@ class Trainer:
     def _load_policy(self) -> Policy:
         """The INT4 base + a fresh adapter; placement colocated: the rollout engine's base (trainer/colocated.py)."""
         spec = self.spec
+        check_served_targets(model_type(Path(spec.model.path)), spec.adapter)  # before anything loads
         if spec.placement != "colocated":
             policy = load_policy(Path(spec.model.path), spec.adapter, dtype=self.learner_dtype, device=self.device,
                                  lora_rounding=spec.learner.lora_rounding)  # fmt: skip
             if spec.moe.routing_replay and not policy.moe_blocks():
                 raise OrbitError(f"moe.routing_replay: {spec.model.path} is a dense model, it has no MoE layer to replay")
-            check_served_targets(policy.model.config.model_type, spec.adapter)
             return policy
         policy, self.shared_base = load_colocated(spec, self.rollout, self.device, self.learner_dtype)
-        check_served_targets(policy.model.config.model_type, spec.adapter)
         attached = self.shared_base.attached
         self._say(f"placement colocated: the learner computes on the rollout engine's base ({attached.arena.size / 2**20:.1f} MiB, "
                   f"one copy, sealed read-only; vLLM's {attached.meta['kernel']} {attached.meta['isa_hint']})")  # fmt: skip

@@ -126,5 +126,5 @@ def test_deepseek_grpo_with_routing_replay(deepseek_int4, tmp_path):
         assert step["routing_missing_samples"] == 0, step  # every sample's routing came back, shaped right
         assert set(step["routing_agreement_by_layer"]) == {"1", "2", "3"}  # layer 0 is dense
         assert step["routing_agreement"] >= 0.98, step  # misaligned rows would agree by chance (~1/28)
-        assert step["mismatch_unreplayed_mean_abs"] > 0 and 0 < step["mismatch_mean_abs"] < 5e-3, step
+        assert step["mismatch_unreplayed_mean_abs"] > 0 and 0 < step["mismatch_mean_abs"] < 1e-3, step  # measured ~2e-4
         assert step["canary_mean_abs_dlogp"] < step["canary_tolerance"] / 2, step

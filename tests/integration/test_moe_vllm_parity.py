@@ -92,7 +92,8 @@ def test_learner_matches_vllm_on_moe(moe_int4, tmp_path):
     delta = torch.cat([(a.float() - torch.tensor(c["logprobs"])).abs() for a, c in zip(ours, completions, strict=True)])
     adapter_effect = torch.cat([(a.float() - b.float()).abs() for a, b in zip(ours, base, strict=True)]).mean()
     assert delta.numel() >= 256
-    assert delta.mean() < 1e-2, f"mean |dlogp| {delta.mean():.2e}"
+    # measured 2.6e-4 (Qwen3-MoE) and 2.7e-4 (DeepSeek); vLLM's CPU rope bug on MLA made it 4.2e-3
+    assert delta.mean() < 1e-3, f"mean |dlogp| {delta.mean():.2e}"
     # every position, not only the mean: a bug at a few tokens (the first, a cache hit) would hide in it
     assert delta.quantile(0.99) < 2e-2 and delta.max() < 5e-2, f"p99 {delta.quantile(0.99):.2e} max {delta.max():.2e}"
     assert adapter_effect > 5 * delta.mean()  # the adapter is really applied on both sides
@@ -136,7 +137,7 @@ def test_flat_rotary_gives_vllms_cpu_rope_the_layout_it_gets_right():
     from vllm.config import CompilationConfig, VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.rotary_embedding import get_rope
 
-    from orbit_runtime.rollout.vllm_cpu_deepseek import FlatRotary
+    from orbit_runtime.rollout.vllm_cpu_deepseek import FlatRotary, flat_if_it_calls_the_op
 
     with set_current_vllm_config(VllmConfig(compilation_config=CompilationConfig(custom_ops=["all"]))):  # as the engine runs
         rotary = get_rope(64, max_position=1024, rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
@@ -155,3 +156,14 @@ def test_flat_rotary_gives_vllms_cpu_rope_the_layout_it_gets_right():
     # the op on the 3-D layout: if this starts to pass, vLLM fixed it and FlatRotary can go
     raw_query, _ = rotary(positions, query.contiguous(), key.clone())
     assert (raw_query - want_query).abs().max() > 0.1, "vLLM's CPU rotary op now handles 3-D queries: drop FlatRotary"
+    assert isinstance(flat_if_it_calls_the_op(rotary), FlatRotary)
+
+    # DeepSeek-V3's own YaRN rope computes in PyTorch on CPU, on the 3-D layout: it is left as it is
+    yarn_parameters = {"rope_type": "deepseek_yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
+                       "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}  # fmt: skip
+    with set_current_vllm_config(VllmConfig(compilation_config=CompilationConfig(custom_ops=["all"]))):
+        yarn = get_rope(64, max_position=4096 * 40, rope_parameters=yarn_parameters, is_neox_style=False, dtype=torch.float32)
+    assert flat_if_it_calls_the_op(yarn) is yarn
+    got_query, got_key = yarn(positions, query.clone(), key.clone())
+    want_query, want_key = yarn.forward_native(positions, query.clone(), key.clone())
+    torch.testing.assert_close(got_query, want_query, rtol=0, atol=1e-5)

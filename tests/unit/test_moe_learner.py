@@ -314,3 +314,17 @@ def test_adapter_targets_vllm_would_not_serve_are_refused():
         check_served_targets("deepseek_v3", adapter)
     check_served_targets("deepseek_v3", AdapterSpec(target_modules=[t for t in DEEPSEEK_TARGETS if t != "kv_b_proj"]))
     check_served_targets("qwen3_moe", AdapterSpec(target_modules=["kv_b_proj", "q_proj"]))
+
+
+def test_the_trainer_refuses_kv_b_proj_lora_on_deepseek_before_loading_anything(deepseek, tmp_path):
+    from orbit_runtime.config.spec import JobSpec
+    from orbit_runtime.errors import OrbitError
+    from orbit_runtime.trainer.loop import Trainer
+
+    _, int4 = deepseek
+    spec = JobSpec.model_validate({
+        "model": {"path": str(int4)}, "adapter": {"target_modules": DEEPSEEK_TARGETS},
+        "run": {"name": "refused", "output_dir": str(tmp_path / "runs")},
+    })  # fmt: skip
+    with pytest.raises(OrbitError, match=r"adapter\.target_modules \['kv_b_proj'\]"):
+        Trainer(spec)
