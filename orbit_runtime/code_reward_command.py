@@ -41,7 +41,7 @@ def register(app: typer.Typer, fail: Callable[[Exception], None]) -> None:
                         texts[role] = path.read_text()
                     except (OSError, UnicodeDecodeError) as exc:
                         raise OrbitError(f"{role} {path}: cannot read it ({exc})") from None
-            count_tests(texts["--tests"])
+            count_tests(texts["--tests"], entry_point, texts.get("--stub", ""))
             check_sandbox_tools()
             task = CodeTask(texts["--tests"], entry_point, texts.get("--stub", ""))
             limits = SandboxLimits(cpu_seconds=cpu_seconds, wall_seconds=wall_seconds, memory_mb=memory_mb)

@@ -25,6 +25,7 @@ from orbit_runtime.data.code_tasks import CodeTask
 from orbit_runtime.errors import OrbitError
 from orbit_runtime.observability.sandbox_metrics import observe_code_verdict
 from orbit_runtime.sandbox.bwrap import SandboxLimits, SandboxUnavailable, Verdict, judge_program
+from orbit_runtime.sandbox.judge_harness import TestsInvalid, plan_tests
 
 _FENCE = re.compile(r"```[ \t]*(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 EXTRACTIONS = ("fenced", "text")
@@ -56,23 +57,19 @@ def program_for(completion: str, task: CodeTask, extract: str = "fenced") -> str
     return program
 
 
-def count_tests(tests: str) -> int:
-    """Tests the harness will count (statements with an assert); raises OrbitError when there are none or it does not parse."""
+def count_tests(tests: str, entry_point: str | None = None, stub: str = "") -> int:
+    """Tests the harness will count (the same `plan_tests`); raises OrbitError when the tests cannot be judged."""
     try:
-        module = ast.parse(tests)
+        return sum(plan_tests(tests, entry_point, stub)[1])
     except SyntaxError as exc:
         raise OrbitError(f"tests do not parse: {exc}") from None
-    check = next((n for n in module.body if isinstance(n, ast.FunctionDef) and n.name == "check"), None)
-    body = module.body + (check.body if check is not None else [])
-    count = sum(any(isinstance(x, ast.Assert) for x in ast.walk(s)) for s in body if s is not check)
-    if count == 0:
-        raise OrbitError("tests have no assert statement (top-level asserts, or asserts in check(candidate))")
-    return count
+    except TestsInvalid as exc:
+        raise OrbitError(str(exc)) from None
 
 
 def judge(program: str, task: CodeTask, limits: SandboxLimits | None = None) -> Verdict:
     """One program, judged as training judges it, and counted in the metrics."""
-    verdict = judge_program(program, task.tests, task.entry_point, limits or SandboxLimits())
+    verdict = judge_program(program, task.tests, task.entry_point, limits or SandboxLimits(), task.stub)
     observe_code_verdict(verdict.status, verdict.seconds)
     return verdict
 

@@ -4,10 +4,12 @@ The sandbox (`bwrap_argv`, pure) has every namespace unshared (no network: only 
 loopback; its own pid namespace, so it cannot see or signal the learner), a read-only /usr,
 no /proc, and nothing else of the host: not the run's files, its credentials or its environment
 (`--clearenv`). Its one writable place is a private, size-capped /tmp. Limits come from
-`prlimit` (CPU seconds, address space, processes, file size) and from here (wall time,
-output). When the run runs as root, the sandbox runs as an unprivileged uid so the process
-limit binds (the kernel does not apply RLIMIT_NPROC to root). When it returns, the sandbox's
-whole process tree is gone: killing bwrap kills its pid namespace (`--die-with-parent`).
+`prlimit` (CPU seconds, address space, file size), from the harness inside (processes: the
+kernel counts them per user namespace, so the sandbox's own count starts at its harness) and
+from here (wall time, output). When the run runs as root, the sandbox runs as an unprivileged
+uid so the process limit binds (the kernel does not apply RLIMIT_NPROC to root). When it
+returns, the sandbox's whole process tree is gone: the harness is its pid namespace's pid 1,
+and when that dies the kernel kills the rest.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import functools
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -43,7 +46,7 @@ class SandboxLimits:
     cpu_seconds: int = 5
     wall_seconds: float = 10.0
     memory_mb: int = 512  # address space of each process in the sandbox
-    processes: int = 32  # beyond what the sandbox's uid already runs
+    processes: int = 32  # processes and threads in the sandbox (its harness's included)
     file_size_mb: int = 8  # the largest file it may write
     tmp_mb: int = 32  # its whole /tmp
     output_bytes: int = 64 * 1024  # what the program may print
@@ -85,15 +88,16 @@ def bwrap_version() -> tuple[int, ...]:
         return (0,)
 
 
-def bwrap_argv(judge_dir: Path, limits: SandboxLimits, python: str, python_prefix: str | None, nproc: int,
-               tmp_size: bool = True) -> list[str]:  # fmt: skip
-    """The command that runs the judge harness in the sandbox (pure). TMP_SIZE: bwrap takes --size
-    (0.8 and later; without it /tmp is capped only per file, by the file-size limit)."""
+def bwrap_argv(judge_dir: Path, limits: SandboxLimits, python: str, python_prefix: str | None, info_fd: int | None = None) -> list[str]:
+    """The command that runs the judge harness in the sandbox (pure). INFO_FD: where bwrap writes
+    the harness's pid (so a hung sandbox is killed from its pid 1 down, leaving no orphan)."""
     argv = [
         # SIGXCPU at the soft CPU limit (the judge reports a timeout), SIGKILL a second later
+        # (the process limit is set inside, by the harness: see judge_harness.py)
         "prlimit", f"--cpu={limits.cpu_seconds}:{limits.cpu_seconds + 1}", f"--as={limits.memory_mb << 20}",
-        f"--nproc={nproc}", f"--fsize={limits.file_size_mb << 20}", "--core=0", "--",
+        f"--fsize={limits.file_size_mb << 20}", "--core=0", "--",
         "bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--as-pid-1", "--cap-drop", "ALL",
+        *(["--info-fd", str(info_fd)] if info_fd is not None else []),
         "--ro-bind", "/usr", "/usr",
     ]  # fmt: skip
     for link in ("bin", "lib", "lib64", "sbin"):
@@ -105,12 +109,14 @@ def bwrap_argv(judge_dir: Path, limits: SandboxLimits, python: str, python_prefi
     if python_prefix:
         argv += ["--ro-bind", python_prefix, python_prefix]
     argv += [
-        "--dev", "/dev",  # no /proc: a container masks parts of its own, so mounting one needs privileges
-        *(["--size", str(limits.tmp_mb << 20)] if tmp_size else []), "--tmpfs", "/tmp",
+        # no /proc: a container masks parts of its own, so mounting one needs privileges. /dev read-only and
+        # every tmpfs size-capped: tmpfs pages are memory no address-space limit counts
+        "--dev", "/dev", "--size", str(1 << 20), "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
+        "--size", str(limits.tmp_mb << 20), "--tmpfs", "/tmp",
         "--ro-bind", str(judge_dir), "/judge", "--chdir", "/tmp",
         "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp",
         "--setenv", "PYTHONDONTWRITEBYTECODE", "1",
-        python, "-I", "-S", "/judge/judge_harness.py",
+        python, "-I", "-S", "-W", "ignore", "/judge/judge_harness.py",
     ]  # fmt: skip
     return argv
 
@@ -120,57 +126,53 @@ def check_sandbox_tools() -> None:
     for tool in ("bwrap", "prlimit"):
         if shutil.which(tool) is None:
             raise SandboxUnavailable(f"{tool} not found on PATH: the code sandbox needs bubblewrap and util-linux's prlimit")
+    if bwrap_version() < (0, 8):
+        version = ".".join(map(str, bwrap_version()))
+        raise SandboxUnavailable(f"bwrap {version}: the code sandbox needs bubblewrap 0.8 or later (--size, to cap its tmpfs)")
 
 
-def _tasks_of(uid: int) -> int:
-    """Processes and threads the uid runs now (what RLIMIT_NPROC counts)."""
-    count = 0
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                if entry.stat().st_uid == uid:
-                    count += len(os.listdir(f"/proc/{entry.name}/task"))
-            except OSError:
-                pass
-    return count
-
-
-def _read_capped(stream, limit: int, out: list[bytes], over: threading.Event) -> None:
+def _read_capped(stream, limit: int, out: list[bytes]) -> None:
+    """Keep LIMIT bytes of STREAM and drain the rest (a full pipe would stall the sandbox)."""
     size = 0
     while chunk := stream.read1(65536):
+        if size < limit:
+            out.append(chunk[: limit - size])
         size += len(chunk)
-        if size > limit:
-            over.set()
-            return
-        out.append(chunk)
 
 
-def judge_program(program: str, tests: str, entry_point: str | None, limits: SandboxLimits = SandboxLimits()) -> Verdict:
-    """Run PROGRAM against TESTS in a fresh sandbox and say how it did."""
+def judge_program(program: str, tests: str, entry_point: str | None, limits: SandboxLimits | None = None, stub: str = "") -> Verdict:
+    """Run PROGRAM against TESTS in a fresh sandbox and say how it did (STUB: the task's, whose helpers the tests may call)."""
+    limits = limits or SandboxLimits()
     check_sandbox_tools()
     started = time.monotonic()
     python, prefix = sandbox_python()
-    uid = NOBODY if os.geteuid() == 0 else os.geteuid()
     with tempfile.TemporaryDirectory(prefix="orbit-judge-") as tmp:
         judge_dir = Path(tmp)
         for name in JUDGE_FILES:
             shutil.copyfile(HERE / name, judge_dir / name)
         (judge_dir / "program.py").write_text(program)
         # the tests go to the harness on its stdin: a file in the sandbox would let the program read the answers
-        meta = {"tests": tests, "entry_point": entry_point, "wall_seconds": limits.wall_seconds, "output_bytes": limits.output_bytes}
+        meta = {"tests": tests, "entry_point": entry_point, "stub": stub, "wall_seconds": limits.wall_seconds,
+                "output_bytes": limits.output_bytes, "processes": limits.processes}  # fmt: skip
         judge_dir.chmod(0o755)  # readable by the sandbox's uid, writable by nobody in it (a read-only bind anyway)
-        argv = bwrap_argv(judge_dir, limits, python, prefix, _tasks_of(uid) + limits.processes, bwrap_version() >= (0, 8))
+        info_read, info_write = os.pipe()
+        argv = bwrap_argv(judge_dir, limits, python, prefix, info_write)
         user = {"user": NOBODY, "group": NOBODY, "extra_groups": []} if os.geteuid() == 0 else {}
         try:
             process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                       env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")}, close_fds=True, **user)  # fmt: skip
+                                       env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")}, close_fds=True,
+                                       pass_fds=(info_write,), **user)  # fmt: skip
         except OSError as exc:
+            os.close(info_read)
             return Verdict(0, 0, "sandbox_error", time.monotonic() - started, f"cannot start the sandbox: {exc}")
+        finally:
+            os.close(info_write)
         events: list[bytes] = []
         errors: list[bytes] = []
-        over = threading.Event()
-        readers = [threading.Thread(target=_read_capped, args=(process.stdout, 1 << 20, events, over), daemon=True),
-                   threading.Thread(target=_read_capped, args=(process.stderr, 1 << 16, errors, threading.Event()), daemon=True)]  # fmt: skip
+        info: list[bytes] = []
+        readers = [threading.Thread(target=_read_capped, args=(process.stdout, 1 << 20, events), daemon=True),
+                   threading.Thread(target=_read_capped, args=(process.stderr, 1 << 16, errors), daemon=True),
+                   threading.Thread(target=_read_capped, args=(os.fdopen(info_read, "rb"), 4096, info), daemon=True)]  # fmt: skip
         for reader in readers:
             reader.start()
         try:
@@ -183,12 +185,25 @@ def judge_program(program: str, tests: str, entry_point: str | None, limits: San
             process.wait(timeout=limits.wall_seconds + 2.0)  # the harness stops itself at wall_seconds
         except subprocess.TimeoutExpired:
             timed_out = True
-        process.kill()  # bwrap's death takes its pid namespace, and whatever is left in it, along
+            _kill_harness(b"".join(info))  # the namespace's pid 1: the kernel kills the rest, bwrap reaps it and exits
+            try:
+                process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        process.kill()  # (a no-op when bwrap has exited) its death takes its pid namespace along
         process.wait()
         for reader in readers:
             reader.join(timeout=5)
     return _verdict(b"".join(events).decode(errors="replace"), b"".join(errors).decode(errors="replace"),
                     timed_out, process.returncode, time.monotonic() - started)  # fmt: skip
+
+
+def _kill_harness(info: bytes) -> None:
+    """SIGKILL the sandbox's pid 1, named by bwrap's --info-fd JSON ({"child-pid": N})."""
+    try:
+        os.kill(int(json.loads(info.decode().split("\n")[0])["child-pid"]), signal.SIGKILL)
+    except (ValueError, KeyError, TypeError, IndexError, ProcessLookupError, PermissionError):
+        pass
 
 
 def _verdict(events: str, errors: str, timed_out: bool, returncode: int, seconds: float) -> Verdict:

@@ -6,10 +6,11 @@ so a program cannot fake a pass by patching the tests, the asserts, the harness 
 comparison (an object whose `==` is always true never crosses). This process is made
 non-dumpable first, so the child (same uid) can neither ptrace it nor open its descriptors.
 
-A test is a statement that contains an `assert`: a top-level one (MBPP style), or one of the
-body of `check(candidate)` (HumanEval style, `candidate` being the entry point). Other
-statements are setup; when one fails, the tests after it fail. Every program function the
-tests name is a proxy that calls into the child.
+A test is a statement with an `assert` that calls the program: a top-level one (MBPP style),
+or one of the body of `check(candidate)` (HumanEval style, `candidate` being the entry point).
+Other statements are setup; when one fails, the tests after it fail. Only the names the tests
+need from the program are proxies into the child (`plan_tests`); builtins, the tests' own
+names and the task stub's helpers are never the program's.
 
 Reads {"tests", "entry_point", "wall_seconds", "output_bytes"} (JSON) on stdin; the program
 never sees the tests. Writes JSON lines on stdout: {"total": m}, one {"test": i, "passed": bool} per test as it is
@@ -17,9 +18,11 @@ judged, then {"status": ...}.
 """
 
 import ast
+import builtins
 import ctypes
 import json
 import os
+import resource
 import select
 import signal
 import subprocess
@@ -48,18 +51,77 @@ def emit(**event) -> None:
     sys.stdout.flush()
 
 
-def test_statements(tests: str, entry_point: str | None) -> tuple[list[ast.stmt], str]:
-    """(statements in order, where they run): check's body if the tests define check(), else the module."""
+class TestsInvalid(Exception):
+    """The tests cannot be judged as given (a check() without an entry point, no test at all)."""
+
+
+def _bound_names(tree: ast.AST) -> set[str]:
+    """Names TREE assigns, defines or imports anywhere (its own helpers and variables)."""
+    bound: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store | ast.Del):
+            bound.add(node.id)
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            bound.add(node.name)
+            bound.update(a.arg for a in ast.walk(node.args) if isinstance(a, ast.arg))
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            bound.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            bound.add(node.name)
+    return bound
+
+
+def stub_module(stub: str) -> ast.Module:
+    """The task's stub as code (HumanEval's helpers, e.g. encode_cyclic: trusted, they run here); a
+    stub that stops inside its last function (`def f():`, `return `) is closed with `pass`."""
+    for text in (stub, stub + "\n    pass\n"):
+        try:
+            return ast.parse(text)
+        except (SyntaxError, ValueError):
+            continue
+    return ast.Module(body=[], type_ignores=[])
+
+
+def _stub_names(stub: str) -> set[str]:
+    return _bound_names(stub_module(stub))
+
+
+def plan_tests(tests: str, entry_point: str | None, stub: str = "") -> tuple[list[ast.stmt], list[bool], set[str]]:
+    """(statements in order, which are tests, the program's names they call).
+
+    The statements: check()'s body after the module's other statements when the tests define
+    check(candidate) (then the entry point is required), else the module. The program's names:
+    `candidate` (the entry point) and the names the tests use but neither define, nor import,
+    nor take from the builtins or the stub; only these reach the program. A test is a statement
+    with an assert that uses one of them (`assert True` tests nothing).
+    """
     module = ast.parse(tests)
     check = next((n for n in module.body if isinstance(n, ast.FunctionDef) and n.name == "check"), None)
-    if check is not None and entry_point:
-        setup = [n for n in module.body if n is not check]
-        return setup + check.body, "check"
-    return module.body, "module"
+    if check is not None and not entry_point:
+        raise TestsInvalid("the tests define check(candidate): name the entry point it is called with")
+    statements = [n for n in module.body if n is not check] + (check.body if check is not None else [])
+    bound = _bound_names(module) | set(dir(builtins)) | _stub_names(stub)
+    used = {n.id for s in statements for n in ast.walk(s) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    program_names = (used - bound) | ({"candidate"} if check is not None else set())
+    if entry_point and entry_point in used:
+        program_names.add(entry_point)
+
+    def is_test(statement: ast.stmt) -> bool:
+        names = {n.id for n in ast.walk(statement) if isinstance(n, ast.Name)}
+        return any(isinstance(n, ast.Assert) for n in ast.walk(statement)) and bool(names & program_names)
+
+    flags = [is_test(s) for s in statements]
+    if not any(flags):
+        raise TestsInvalid("the tests have no assert that calls the program")
+    return statements, flags, program_names
 
 
-def is_test(statement: ast.stmt) -> bool:
-    return any(isinstance(node, ast.Assert) for node in ast.walk(statement))
+IGNORED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGXCPU)
+
+
+def _default_signals() -> None:
+    for number in IGNORED_SIGNALS:
+        signal.signal(number, signal.SIG_DFL)
 
 
 class Program:
@@ -68,8 +130,9 @@ class Program:
     def __init__(self, deadline: float, output_limit: int) -> None:
         self.deadline = deadline
         self.process = subprocess.Popen(
-            [sys.executable, "-I", "-S", os.path.join(JUDGE, "judge_runner.py")],
+            [sys.executable, "-I", "-S", "-W", "ignore", os.path.join(JUDGE, "judge_runner.py")],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd="/tmp", close_fds=True,
+            preexec_fn=_default_signals,  # the harness ignores signals; the program must not (SIGXCPU: its CPU limit)
         )  # fmt: skip
         self.output_exceeded = False
         self.ended = False
@@ -145,13 +208,21 @@ def main() -> None:
     except (OSError, AttributeError):
         emit(status="sandbox_error", detail="prctl(PR_SET_DUMPABLE) failed")
         return
+    for number in IGNORED_SIGNALS:
+        signal.signal(number, signal.SIG_IGN)  # the program's signals (SIGKILL and SIGSTOP from inside: pid 1 ignores)
     # the tests come on stdin, never as a file: the program must not read them (it could answer
     # each assert's expected value without solving anything)
     meta = json.loads(sys.stdin.read())
     sys.stdin.close()
-    statements, _ = test_statements(meta["tests"], meta.get("entry_point"))
-    tests = [s for s in statements if is_test(s)]
-    emit(total=len(tests))
+    # the program's processes, counted in the sandbox's own user namespace (the kernel counts a
+    # uid per namespace; outside it the uid may run anything on the node)
+    resource.setrlimit(resource.RLIMIT_NPROC, (meta["processes"], meta["processes"]))
+    try:
+        statements, flags, program_names = plan_tests(meta["tests"], meta.get("entry_point"), meta.get("stub", ""))
+    except (TestsInvalid, SyntaxError) as exc:
+        emit(status="sandbox_error", detail=str(exc))
+        return
+    emit(total=sum(flags))
     program = Program(time.monotonic() + meta["wall_seconds"], meta["output_bytes"])
     try:
         loaded = program.receive()
@@ -166,16 +237,21 @@ def main() -> None:
     def proxy(name: str):
         return lambda *args: program.call(name, args)
 
-    namespace = {"__name__": "tests"}
-    names = [n for n in loaded.get("names", []) if isinstance(n, str)]
-    namespace.update({name: proxy(name) for name in names})
-    if meta.get("entry_point"):
-        namespace["candidate"] = proxy(meta["entry_point"])
+    namespace: dict = {"__name__": "tests"}
+    try:  # the stub's helpers (trusted task data) run here; its unfinished entry point is replaced below
+        exec(compile(stub_module(meta.get("stub", "")), "stub.py", "exec"), namespace)
+    except Exception:  # noqa: BLE001 - a stub whose top level fails leaves its helpers undefined: their tests fail
+        pass
+    defined = {n for n in loaded.get("names", []) if isinstance(n, str)}
+    for name in program_names:
+        if name == "candidate":
+            namespace[name] = proxy(meta["entry_point"])
+        elif name in defined:  # a name the program lacks stays unbound: its test fails with NameError
+            namespace[name] = proxy(name)
     index = 0
     broken = False
     memory = False
-    for statement in statements:
-        test = is_test(statement)
+    for statement, test in zip(statements, flags, strict=True):
         passed = False
         if not broken:
             try:

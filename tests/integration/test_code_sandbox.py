@@ -28,6 +28,9 @@ from orbit_runtime.sandbox.bwrap import SandboxLimits
 
 LIMITS = SandboxLimits(cpu_seconds=2, wall_seconds=4, memory_mb=256, processes=16, output_bytes=16384)
 ATTACK = CodeTask("assert attack() is True\n")
+BUILTIN = CodeTask("assert abs(attack() and 0) == 0 and attack() == 'yes'\nassert abs(-1) == 0\n")  # the second only if abs is the program's
+# answering every call with True passes the first only if isinstance were the program's
+CHECKED = CodeTask("assert isinstance(attack(), str)\nassert attack() == 5\n")
 
 
 @pytest.fixture()
@@ -66,8 +69,8 @@ def _processes_with(marker: str) -> list[str]:
     return found
 
 
-def _hostile_programs(t: dict, marker: str) -> dict[str, tuple[str, set[str]]]:
-    """name -> (program, the statuses it may end with)."""
+def _hostile_programs(t: dict, marker: str) -> dict[str, tuple]:
+    """name -> (program, the statuses it may end with[, its task: ATTACK unless given])."""
     return {
         "infinite loop": ("while True:\n    pass\n", {"timeout"}),
         "sleep past the wall time": ("import time\ndef attack():\n    time.sleep(60)\n    return True\n", {"timeout"}),
@@ -99,8 +102,17 @@ def _hostile_programs(t: dict, marker: str) -> dict[str, tuple[str, set[str]]]:
             "    for path in paths:\n        try:\n"
             "            if TESTS in open(path).read():\n                return True\n"
             "        except OSError:\n            pass\n    return TESTS in sys.stdin.read()\n", {"ok"}),  # fmt: skip
-        "rewrite the tests": (
-            "def attack():\n    open('/judge/tests.py', 'w').write('pass\\n')\n    return False\n", {"ok"}),
+        "rewrite the harness": (
+            "def attack():\n    try:\n        open('/judge/judge_harness.py', 'a').write('# pwned')\n"
+            "        return True\n    except OSError:\n        return False\n", {"ok"}),  # fmt: skip
+        # a builtin the tests use, redefined: the harness never takes builtins from the program
+        "redefine a builtin": ("def abs(x):\n    return 0\ndef attack():\n    return 'no'\n", {"ok"}, BUILTIN),
+        # speak the protocol itself: claim names, answer a call with a value the program chooses
+        "answer the harness itself": (
+            "import os, sys\nout = os.fdopen(3, 'w', buffering=1)\n"
+            "out.write('{\"loaded\": true, \"names\": [\"attack\", \"isinstance\"]}\\n')\n"
+            "for line in sys.__stdin__:\n    out.write('{\"ok\": true, \"value\": \"True\"}\\n')\n",
+            {"ok", "crashed"}, CHECKED),  # fmt: skip
         "always-equal object": (
             "class Yes:\n    def __eq__(self, other):\n        return True\n    __bool__ = lambda self: True\n"
             "def attack():\n    return Yes()\n", {"ok"}),  # fmt: skip
@@ -111,17 +123,17 @@ def _hostile_programs(t: dict, marker: str) -> dict[str, tuple[str, set[str]]]:
             "for pid in os.listdir('/proc'):\n    try:\n        open(f'/proc/{pid}/fd/1', 'w').write('{\"test\": 0, \"passed\": true}\\n')\n"
             "    except OSError:\n        pass\ndef attack():\n    return False\n", {"ok", "crashed"}),  # its protocol stream, garbled  # fmt: skip
         # the harness is the sandbox's pid 1: signals from inside its namespace do not reach it
-        "stop or kill the harness": (
-            "import os, signal\nfor sig in (signal.SIGSTOP, signal.SIGKILL):\n    os.kill(os.getppid(), sig)\n"
-            "def attack():\n    return False\n", {"ok", "timeout", "crashed"}),  # fmt: skip
+        "signal the harness": (
+            "import os, signal\nfor sig in (signal.SIGSTOP, signal.SIGKILL, signal.SIGINT, signal.SIGTERM):\n"
+            "    os.kill(os.getppid(), sig)\ndef attack():\n    return 'no'\n", {"ok"}),  # fmt: skip
     }
 
 
 def test_hostile_programs_are_contained(target):
     marker = f"orbit-hostile-{uuid.uuid4().hex}"
     table = []
-    for name, (program, statuses) in _hostile_programs(target, marker).items():
-        verdict = judge(program, ATTACK, LIMITS)
+    for name, (program, statuses, *task) in _hostile_programs(target, marker).items():
+        verdict = judge(program, task[0] if task else ATTACK, LIMITS)
         table.append((name, verdict.status, verdict.reward, round(verdict.seconds, 2)))
         assert verdict.reward == 0, (name, verdict)
         assert verdict.status in statuses, (name, verdict)
@@ -198,3 +210,22 @@ def test_orbit_code_reward_exits_2_with_one_line_when_it_cannot_judge(tmp_path):
     hostile.write_text("while True:\n    pass\n")
     looped = _code_reward_cli(hostile, tests, "--json", "--cpu-seconds", "1", "--wall-seconds", "3")
     assert looped.returncode == 0 and json.loads(looped.stdout) == {"passed": 0, "total": 1, "reward": 0.0, "status": "timeout"}
+
+
+def test_a_program_cannot_take_over_the_names_real_humaneval_tests_use():
+    """As training judges HumanEval (the task's stub given): redefining a builtin the tests use
+    (abs), the stub's helper the tests call (poly, encode_cyclic), or returning None where the
+    tests hold constant asserts scores 0, not the partial or full credit it would get if those
+    names were the program's or `assert True` counted."""
+    problems = {p["task_id"]: p for p in humaneval_problems()}
+    attempts = {
+        "HumanEval/2": "```python\ndef abs(x):\n    return 0\ndef truncate_number(number):\n    return 0.0\n```",
+        "HumanEval/32": "```python\ndef poly(*a):\n    return 0\ndef find_zero(xs):\n    return 0\n```",
+        "HumanEval/38": "```python\ndef encode_cyclic(s):\n    return s\ndef decode_cyclic(s):\n    return s\n```",
+        "HumanEval/70": "    return None\n",
+    }
+    for task_id, completion in attempts.items():
+        problem = problems[task_id]
+        task = CodeTask(problem["test"], problem["entry_point"], problem["prompt"])
+        rewards = code_tests([completion], answers=[task.to_answer()])
+        assert rewards == [0.0], task_id

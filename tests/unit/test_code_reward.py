@@ -35,21 +35,36 @@ def test_the_stub_goes_first_unless_the_program_defines_the_entry_point():
         CodeTask.from_answer("42")
 
 
-def test_tests_are_statements_with_an_assert():
-    assert count_tests("import math\nassert f(1) == 1\nfor x in range(3):\n    assert f(x) >= 0\n") == 2
-    humaneval = "METADATA = {}\n\ndef check(candidate):\n    assert candidate(1) == 2\n    y = 3\n    assert candidate(y) == 4\n"
-    assert count_tests(humaneval) == 2
-    with pytest.raises(OrbitError, match="no assert"):
-        count_tests("print('no tests')")
+def test_tests_are_statements_with_an_assert_that_calls_the_program():
+    assert count_tests("import math\nassert f(1) == 1\nfor x in range(3):\n    assert f(x) >= 0\nassert True\n") == 2
+    humaneval = ("METADATA = {}\n\ndef check(candidate):\n    assert candidate(1) == 2\n    y = 3\n"
+                 "    assert candidate(y) == 4\n    assert True, 'constant'\n")  # fmt: skip
+    assert count_tests(humaneval, "f") == 2  # `assert True` tests nothing
+    with pytest.raises(OrbitError, match="name the entry point"):
+        count_tests(humaneval)  # check(candidate) without an entry point would test nothing
+    with pytest.raises(OrbitError, match="no assert that calls the program"):
+        count_tests("print('no tests')\nassert 1 == 1\n")
     with pytest.raises(OrbitError, match="do not parse"):
         count_tests("assert (")
 
 
+def test_only_the_names_the_tests_need_from_the_program_reach_it():
+    """Builtins, the tests' own names and the stub's helpers are never the program's: a program
+    that defines `abs` or `range` cannot change what the tests compute."""
+    from orbit_runtime.sandbox.judge_harness import plan_tests
+
+    tests = "import math\ndef helper(x):\n    return x\nassert abs(add(1, 2) - 3) < 1e-6\nfor i in range(2):\n    assert helper(add(i, 0)) == i\n"
+    assert plan_tests(tests, None)[2] == {"add"}
+    humaneval = "def check(candidate):\n    assert decode(encode('ab')) == 'ab'\n    assert candidate('x') == 'x'\n"
+    stub = "def encode(s):\n    return s[::-1]\n\ndef decode(s):\n"  # stops inside decode, as a completion continues it
+    assert plan_tests(humaneval, "decode", stub)[2] == {"candidate", "decode"}  # encode is the stub's, trusted
+
+
 def test_the_sandbox_command_carries_every_limit_and_no_host_path_but_usr(tmp_path):
     limits = SandboxLimits(cpu_seconds=3, wall_seconds=7, memory_mb=256, processes=16, file_size_mb=4, tmp_mb=8)
-    argv = bwrap_argv(tmp_path, limits, "/usr/bin/python3", None, nproc=40)
+    argv = bwrap_argv(tmp_path, limits, "/usr/bin/python3", None, info_fd=7)
     prlimit = argv[: argv.index("--")]
-    assert prlimit == ["prlimit", "--cpu=3:4", f"--as={256 << 20}", "--nproc=40", f"--fsize={4 << 20}", "--core=0"]
+    assert prlimit == ["prlimit", "--cpu=3:4", f"--as={256 << 20}", f"--fsize={4 << 20}", "--core=0"]  # processes: inside
     bwrap = argv[argv.index("--") + 1 :]
     assert bwrap[0] == "bwrap" and {"--unshare-all", "--die-with-parent", "--as-pid-1", "--clearenv", "--new-session"} <= set(bwrap)
     assert "--share-net" not in bwrap
@@ -57,7 +72,10 @@ def test_the_sandbox_command_carries_every_limit_and_no_host_path_but_usr(tmp_pa
     assert ("--ro-bind", "/usr", "/usr") in binds and ("--ro-bind", str(tmp_path), "/judge") in binds
     assert all(kind == "--ro-bind" for kind, _, _ in binds)  # nothing of the host is writable
     assert {src for _, src, _ in binds} <= {"/usr", str(tmp_path), "/bin", "/lib", "/lib64", "/sbin"}
-    assert bwrap[bwrap.index("--tmpfs") - 1] == str(8 << 20)  # the private /tmp is size-capped
+    tmpfs = [(bwrap[i - 1], bwrap[i + 1]) for i, a in enumerate(bwrap) if a == "--tmpfs"]
+    assert tmpfs == [(str(1 << 20), "/dev/shm"), (str(8 << 20), "/tmp")]  # every tmpfs size-capped
+    assert bwrap[bwrap.index("--remount-ro") + 1] == "/dev" and "--proc" not in bwrap
+    assert bwrap[bwrap.index("--info-fd") + 1] == "7"
 
 
 def test_the_harness_report_becomes_a_verdict():
