@@ -88,9 +88,12 @@ def bwrap_version() -> tuple[int, ...]:
         return (0,)
 
 
-def bwrap_argv(judge_dir: Path, limits: SandboxLimits, python: str, python_prefix: str | None, info_fd: int | None = None) -> list[str]:
+def bwrap_argv(judge_dir: Path, limits: SandboxLimits, python: str, python_prefix: str | None, info_fd: int | None = None,
+               sized_tmpfs: bool = True) -> list[str]:  # fmt: skip
     """The command that runs the judge harness in the sandbox (pure). INFO_FD: where bwrap writes
-    the harness's pid (so a hung sandbox is killed from its pid 1 down, leaving no orphan)."""
+    the harness's pid (so a hung sandbox is killed from its pid 1 down, leaving no orphan).
+    SIZED_TMPFS: bwrap takes --size (0.8 and later); without it the sandbox gets no writable
+    directory at all (an uncapped tmpfs is memory no limit counts)."""
     argv = [
         # SIGXCPU at the soft CPU limit (the judge reports a timeout), SIGKILL a second later
         # (the process limit is set inside, by the harness: see judge_harness.py)
@@ -111,9 +114,12 @@ def bwrap_argv(judge_dir: Path, limits: SandboxLimits, python: str, python_prefi
     argv += [
         # no /proc: a container masks parts of its own, so mounting one needs privileges. /dev read-only and
         # every tmpfs size-capped: tmpfs pages are memory no address-space limit counts
-        "--dev", "/dev", "--size", str(1 << 20), "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
-        "--size", str(limits.tmp_mb << 20), "--tmpfs", "/tmp",
-        "--ro-bind", str(judge_dir), "/judge", "--chdir", "/tmp",
+        "--dev", "/dev",
+        *(["--size", str(1 << 20), "--tmpfs", "/dev/shm"] if sized_tmpfs else []), "--remount-ro", "/dev",
+        *(["--size", str(limits.tmp_mb << 20), "--tmpfs", "/tmp"] if sized_tmpfs else ["--dir", "/tmp"]),
+        "--ro-bind", str(judge_dir), "/judge",
+        "--remount-ro", "/",  # bwrap's own root is a tmpfs too: read-only, like all but the capped ones
+        "--chdir", "/tmp",
         "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp",
         "--setenv", "PYTHONDONTWRITEBYTECODE", "1",
         python, "-I", "-S", "-W", "ignore", "/judge/judge_harness.py",
@@ -126,9 +132,6 @@ def check_sandbox_tools() -> None:
     for tool in ("bwrap", "prlimit"):
         if shutil.which(tool) is None:
             raise SandboxUnavailable(f"{tool} not found on PATH: the code sandbox needs bubblewrap and util-linux's prlimit")
-    if bwrap_version() < (0, 8):
-        version = ".".join(map(str, bwrap_version()))
-        raise SandboxUnavailable(f"bwrap {version}: the code sandbox needs bubblewrap 0.8 or later (--size, to cap its tmpfs)")
 
 
 def _read_capped(stream, limit: int, out: list[bytes]) -> None:
@@ -156,7 +159,7 @@ def judge_program(program: str, tests: str, entry_point: str | None, limits: San
                 "output_bytes": limits.output_bytes, "processes": limits.processes}  # fmt: skip
         judge_dir.chmod(0o755)  # readable by the sandbox's uid, writable by nobody in it (a read-only bind anyway)
         info_read, info_write = os.pipe()
-        argv = bwrap_argv(judge_dir, limits, python, prefix, info_write)
+        argv = bwrap_argv(judge_dir, limits, python, prefix, info_write, sized_tmpfs=bwrap_version() >= (0, 8))
         user = {"user": NOBODY, "group": NOBODY, "extra_groups": []} if os.geteuid() == 0 else {}
         try:
             process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

@@ -79,6 +79,11 @@ def _hostile_programs(t: dict, marker: str) -> dict[str, tuple]:
         "huge output": ("while True:\n    print('x' * 65536)\n", {"output_limit"}),
         "huge file": ("def attack():\n    open('/tmp/big', 'wb').write(b'x' * (64 << 20))\n    return True\n",
                       {"output_limit", "ok", "crashed"}),  # fmt: skip
+        "fill memory with files (tmpfs)": (
+            "def attack():\n    written = 0\n    for where in ('/', '/tmp/', '/dev/shm/', '/dev/'):\n        for i in range(100):\n"
+            "            try:\n                with open(f'{where}f{i}', 'wb') as f:\n                    f.write(b'x' * (4 << 20))\n"
+            "                written += 4 << 20\n            except OSError:\n                break\n"
+            "    return written > (40 << 20)\n", {"ok"}),  # fmt: skip
         "write outside its temp dir": (
             f"def attack():\n    open({str(t['outside'])!r}, 'w').write('pwned')\n    return True\n", {"ok"}),
         "read the run's files": (f"def attack():\n    return open({str(t['secret'])!r}).read() == 's3cr3t'\n", {"ok"}),

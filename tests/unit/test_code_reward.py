@@ -74,8 +74,12 @@ def test_the_sandbox_command_carries_every_limit_and_no_host_path_but_usr(tmp_pa
     assert {src for _, src, _ in binds} <= {"/usr", str(tmp_path), "/bin", "/lib", "/lib64", "/sbin"}
     tmpfs = [(bwrap[i - 1], bwrap[i + 1]) for i, a in enumerate(bwrap) if a == "--tmpfs"]
     assert tmpfs == [(str(1 << 20), "/dev/shm"), (str(8 << 20), "/tmp")]  # every tmpfs size-capped
-    assert bwrap[bwrap.index("--remount-ro") + 1] == "/dev" and "--proc" not in bwrap
+    remounted = [bwrap[i + 1] for i, a in enumerate(bwrap) if a == "--remount-ro"]
+    assert remounted == ["/dev", "/"] and "--proc" not in bwrap  # bwrap's own root tmpfs is read-only too
     assert bwrap[bwrap.index("--info-fd") + 1] == "7"
+    # bwrap < 0.8 has no --size: then no writable tmpfs at all
+    old = bwrap_argv(tmp_path, limits, "/usr/bin/python3", None, sized_tmpfs=False)
+    assert "--tmpfs" not in old and "--size" not in old and old[old.index("--dir") + 1] == "/tmp"
 
 
 def test_the_harness_report_becomes_a_verdict():
