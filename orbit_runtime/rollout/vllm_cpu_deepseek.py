@@ -27,12 +27,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 from vllm.config import VllmConfig
-from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
 from vllm.model_executor.models.deepseek_v2 import DeepseekV2MLAAttention, DeepseekV2MLP
 from vllm.model_executor.models.utils import WeightsMapper, extract_layer_index
 
-from orbit_runtime.rollout.vllm_cpu_moe import ExpertLinearsForCausalLM, ExpertLinearsMoeBlock
+from orbit_runtime.rollout.vllm_cpu_moe import ExpertLinearsDecoderLayer, ExpertLinearsForCausalLM
 
 
 class FlatRotary(nn.Module):
@@ -57,7 +56,7 @@ def flat_if_it_calls_the_op(rotary: nn.Module) -> nn.Module:
     return FlatRotary(rotary) if type(rotary).forward_cpu is RotaryEmbedding.forward_cpu else rotary
 
 
-class DeepseekDecoderLayer(nn.Module):
+class DeepseekDecoderLayer(ExpertLinearsDecoderLayer):
     """vLLM's DeepSeek attention (MLA) and dense MLP, Orbit's expert-linear MoE block."""
 
     def __init__(self, vllm_config: VllmConfig, prefix: str) -> None:
@@ -83,28 +82,10 @@ class DeepseekDecoderLayer(nn.Module):
         self.self_attn.mla_attn.rotary_emb = flat_if_it_calls_the_op(self.self_attn.mla_attn.rotary_emb)
         layer_index = extract_layer_index(prefix)
         sparse = layer_index >= config.first_k_dense_replace and layer_index % getattr(config, "moe_layer_freq", 1) == 0
-        if sparse:
-            self.mlp = ExpertLinearsMoeBlock(vllm_config, prefix=f"{prefix}.mlp")
-        else:
-            self.mlp = DeepseekV2MLP(
-                hidden_size=config.hidden_size,
-                intermediate_size=config.intermediate_size,
-                hidden_act=config.hidden_act,
-                quant_config=vllm_config.quant_config,
-                prefix=f"{prefix}.mlp",
-            )
-        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self._mlp_and_norms(vllm_config, prefix, sparse, DeepseekV2MLP)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None):
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, None)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+    def attend(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.self_attn(positions, hidden_states, None)
 
 
 class CpuInt4DeepseekV3ForCausalLM(ExpertLinearsForCausalLM):

@@ -107,7 +107,39 @@ class ExpertLinearsMoeBlock(nn.Module):
         return out
 
 
-class DecoderLayer(nn.Module):
+class ExpertLinearsDecoderLayer(nn.Module):
+    """Attention (the subclass's), then the MoE block or a dense MLP, with vLLM's fused residual norms."""
+
+    def _mlp_and_norms(self, vllm_config: VllmConfig, prefix: str, sparse: bool, dense_mlp: type[nn.Module]) -> None:
+        config = vllm_config.model_config.hf_text_config
+        if sparse:
+            self.mlp = ExpertLinearsMoeBlock(vllm_config, prefix=f"{prefix}.mlp")
+        else:
+            self.mlp = dense_mlp(
+                hidden_size=config.hidden_size,
+                intermediate_size=config.intermediate_size,
+                hidden_act=config.hidden_act,
+                quant_config=vllm_config.quant_config,
+                prefix=f"{prefix}.mlp",
+            )
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def attend(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None):
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.attend(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class DecoderLayer(ExpertLinearsDecoderLayer):
     """vLLM's Qwen3-MoE attention and norms around `ExpertLinearsMoeBlock`."""
 
     def __init__(self, vllm_config: VllmConfig, prefix: str) -> None:
@@ -130,28 +162,10 @@ class DecoderLayer(nn.Module):
         sparse = layer_index not in (getattr(config, "mlp_only_layers", None) or []) and (
             (layer_index + 1) % config.decoder_sparse_step == 0
         )
-        if sparse:
-            self.mlp = ExpertLinearsMoeBlock(vllm_config, prefix=f"{prefix}.mlp")
-        else:
-            self.mlp = Qwen3MoeMLP(
-                hidden_size=config.hidden_size,
-                intermediate_size=config.intermediate_size,
-                hidden_act=config.hidden_act,
-                quant_config=vllm_config.quant_config,
-                prefix=f"{prefix}.mlp",
-            )
-        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self._mlp_and_norms(vllm_config, prefix, sparse, Qwen3MoeMLP)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None):
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions=positions, hidden_states=hidden_states)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+    def attend(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.self_attn(positions=positions, hidden_states=hidden_states)
 
 
 class ExpertLinearsModel(nn.Module):
