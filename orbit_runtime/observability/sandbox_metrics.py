@@ -4,6 +4,9 @@ which are not program failures."""
 
 from __future__ import annotations
 
+import collections
+import threading
+
 from prometheus_client import Counter, Histogram
 
 from orbit_runtime.observability.metrics import LEARNER_REGISTRY
@@ -23,10 +26,22 @@ CODE_SANDBOX_FAILURES = Counter(
 )  # fmt: skip
 for _status in STATUSES:
     CODE_PROGRAMS.labels(_status)
+_since_last_step: collections.Counter = collections.Counter()  # statuses judged since the last step row
+_lock = threading.Lock()  # programs are judged from worker threads
 
 
 def observe_code_verdict(status: str, seconds: float) -> None:
     CODE_PROGRAMS.labels(status).inc()
+    with _lock:
+        _since_last_step[status] += 1
     CODE_SANDBOX_SECONDS.observe(seconds)
     if status == "sandbox_error":
         CODE_SANDBOX_FAILURES.inc()
+
+
+def take_step_counts() -> dict[str, int]:
+    """Programs judged per status since the last call (the trainer's step row: `code_programs`)."""
+    with _lock:
+        counts = dict(_since_last_step)
+        _since_last_step.clear()
+    return counts

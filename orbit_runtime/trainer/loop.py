@@ -41,6 +41,7 @@ from orbit_runtime.learner.update import UpdateResult, policy_update
 from orbit_runtime.observability import metrics
 from orbit_runtime.observability.peak_memory import PeakMemory
 from orbit_runtime.observability.process_memory import servers_pss
+from orbit_runtime.observability.sandbox_metrics import take_step_counts
 from orbit_runtime.observability.server import MetricsServer
 from orbit_runtime.rewards.scoring import RewardScorer
 from orbit_runtime.run_paths import RunPaths
@@ -365,6 +366,8 @@ class Trainer:
         row = step_row(state.step, version, batch, update, sync, lr=lr, adapter_bytes=size, timings=timings,
                        step_seconds=time.monotonic() - started, restarts=restarts,
                        memory={**self.peak_memory.read(), **self._phase_memory})  # fmt: skip
+        if code_programs := take_step_counts():  # the code_tests reward's programs since the last step, per status
+            row["code_programs"] = code_programs
         if update.routing_missing:
             log.warning("step %d: %d of %d samples came back without the rollout's routing; they used the learner's own",
                         state.step, update.routing_missing, len(batch.completions))  # fmt: skip

@@ -55,3 +55,7 @@ def test_the_code_reward_reaches_the_loss_and_its_samples_are_logged(tmp_path, i
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in steps if r["kind"] == "step"]
     assert len(steps) == 2 and all(r["reward_errors"] == 0 for r in steps)
+    for step in steps:  # every program judged is counted with its step, by status (held-out ones too, before step 1)
+        counts = step["code_programs"]
+        assert set(counts) <= {"ok", "syntax_error", "crashed", "timeout"} and sum(counts.values()) >= 4 * 8, counts
+        assert counts.get("ok", 0) >= sum(s["reward"] > 0 for s in samples if s["step"] == step["step"])
