@@ -35,8 +35,7 @@ def main() -> None:
     from vllm.lora.request import LoRARequest
 
     model_dir, adapter_dir, out_path, rank = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-    dtype = sys.argv[5] if len(sys.argv) > 5 else "float16"
-    llm = LLM(model=model_dir, dtype=dtype, enable_lora=True, max_lora_rank=rank, max_loras=1,
+    llm = LLM(model=model_dir, dtype="float16", enable_lora=True, max_lora_rank=rank, max_loras=1,
               enforce_eager=True, max_model_len=256, enable_prefix_caching=False, seed=0)  # fmt: skip
     captured: list = []
     hooked = llm.apply_model(lambda model: record_routing(model, captured))
