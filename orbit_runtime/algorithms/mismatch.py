@@ -32,8 +32,11 @@ def k3_kl(learner_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor) -> tor
     return k3_kl_penalty(rollout_logprobs.double(), learner_logprobs.double())
 
 
-def measure_mismatch(learner: list[torch.Tensor], rollout: list[torch.Tensor]) -> MismatchStats:
-    """Stats over all tokens of all sequences; LEARNER[i] and ROLLOUT[i] score the same tokens."""
+def measure_mismatch(learner: list[torch.Tensor], rollout: list[torch.Tensor],
+                     masks: list[torch.Tensor] | None = None) -> MismatchStats:  # fmt: skip
+    """Stats over all tokens of all sequences; LEARNER[i] and ROLLOUT[i] score the same tokens.
+    MASKS (multi-turn episodes): only tokens where MASKS[i] is true count (the model's, not the
+    environment's, which have no rollout log-prob)."""
     if len(learner) != len(rollout):
         raise ValueError(f"{len(learner)} learner sequences vs {len(rollout)} rollout sequences")
     for i, (a, b) in enumerate(zip(learner, rollout, strict=True)):
@@ -41,6 +44,11 @@ def measure_mismatch(learner: list[torch.Tensor], rollout: list[torch.Tensor]) -
             raise ValueError(f"sequence {i}: learner scored {tuple(a.shape)} tokens, rollout {tuple(b.shape)}")
     lp_learner = torch.cat([t.detach().double().flatten() for t in learner])
     lp_rollout = torch.cat([t.detach().double().flatten() for t in rollout])
+    if masks is not None:
+        keep = torch.cat([m.bool().flatten() for m in masks])
+        if keep.numel() != lp_learner.numel():
+            raise ValueError(f"masks cover {keep.numel()} tokens, the sequences {lp_learner.numel()}")
+        lp_learner, lp_rollout = lp_learner[keep], lp_rollout[keep]
     if lp_learner.numel() == 0:
         raise ValueError("no tokens to compare")
     delta = (lp_learner - lp_rollout).abs()

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from orbit_runtime.config.adapter import AdapterSpec
 from orbit_runtime.config.code_data import HumanEvalData, SyntheticCodeData
+from orbit_runtime.config.environment import EnvironmentData, EnvironmentSpec
 from orbit_runtime.config.learner import LearnerSpec
 from orbit_runtime.config.moe import MoeSpec
 from orbit_runtime.config.storage_uri import validate_storage_uri
@@ -142,13 +143,15 @@ class FileData(Section):
     template: str | None = Field(None, description="Python format string over the row's fields; default: the prompt field as is.")
 
 
-DataSpec = Annotated[SyntheticArithmeticData | FileData | HumanEvalData | SyntheticCodeData, Field(discriminator="type")]
+DataSpec = Annotated[
+    SyntheticArithmeticData | FileData | HumanEvalData | SyntheticCodeData | EnvironmentData, Field(discriminator="type")
+]
 
 
 class RewardSpec(Section):
     """One reward function: a built-in name or a dotted path `package.module:function`."""
 
-    function: str = Field(description="Built-in (exact_match, prefix_match, boxed_format, regex, code_tests) or 'module.path:callable'.")
+    function: str = Field(description="Built-in (exact_match, prefix_match, boxed_format, regex, code_tests, environment) or 'module.path:callable'.")
     weight: float = Field(1.0, description="Its weight in the summed reward.")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments passed to the function.")
     max_error_fraction: float = Field(
@@ -361,6 +364,9 @@ class JobSpec(Section):
     rewards: list[RewardSpec] = Field(
         default_factory=lambda: [RewardSpec(function="exact_match")], min_length=1, description="The reward functions, summed by weight."
     )
+    environment: EnvironmentSpec | None = Field(
+        None, description="Multi-turn episodes with tools or an environment (see docs/multi-turn.md); unset: single-turn completions."
+    )
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)
     reference: ReferenceSpec = Field(default_factory=ReferenceSpec)
     schedule: ScheduleSpec = Field(default_factory=ScheduleSpec)
@@ -378,6 +384,31 @@ class JobSpec(Section):
                 f"algorithm.minibatches ({self.algorithm.minibatches}) exceeds the samples per step "
                 f"(rollout.prompts_per_step x rollout.group_size = {samples})"
             )
+        return self
+
+    @model_validator(mode="after")
+    def validate_environment(self) -> JobSpec:
+        env = self.environment
+        if env is None:
+            if any(r.function == "environment" for r in self.rewards):
+                raise ValueError("rewards: the environment reward needs an environment section")
+            return self
+        try:
+            env.check()
+        except ValueError as exc:
+            raise ValueError(f"environment: {exc}") from None
+        if self.moe.routing_replay:
+            raise ValueError("moe.routing_replay: not supported with multi-turn episodes in this version (each turn's "
+                             "request returns the routing of its own positions only)")
+        if env.type == "verifiers":
+            if "rewards" not in self.model_fields_set:
+                self.rewards = [RewardSpec(function="environment")]  # a verifiers environment scores with its rubric
+            if "data" not in self.model_fields_set:
+                self.data = EnvironmentData(type="environment")
+        if isinstance(self.data, EnvironmentData) and env.type != "verifiers":
+            raise ValueError("data.type environment: only a verifiers environment brings its own tasks")
+        if env.type == "verifiers" and not isinstance(self.data, EnvironmentData):
+            raise ValueError("data: a verifiers environment runs its own tasks; set data.type to environment")
         return self
 
     @model_validator(mode="after")
@@ -407,7 +438,7 @@ def format_validation_error(error: ValidationError, source: str) -> str:
     lines = [f"{source}: invalid job spec"]
     for item in error.errors():
         path = ".".join(
-            str(p) for p in item["loc"] if not (isinstance(p, str) and p in ("synthetic_arithmetic", "jsonl", "parquet"))
+            str(p) for p in item["loc"] if not (isinstance(p, str) and p in ("synthetic_arithmetic", "jsonl", "parquet", "humaneval", "synthetic_code", "environment"))
         )
         lines.append(f"  {path or '(top level)'}: {item['msg']}")
     return "\n".join(lines)

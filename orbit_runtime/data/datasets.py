@@ -5,10 +5,12 @@ from __future__ import annotations
 import itertools
 import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from orbit_runtime.config.code_data import HumanEvalData, SyntheticCodeData
+from orbit_runtime.config.environment import EnvironmentData
 from orbit_runtime.config.spec import FileData, SyntheticArithmeticData
 from orbit_runtime.data.code_tasks import humaneval_splits, synthetic_code_splits
 from orbit_runtime.errors import OrbitError
@@ -18,6 +20,7 @@ from orbit_runtime.errors import OrbitError
 class Example:
     prompt: str  # the user's text, before any chat template
     answer: str | None
+    source: Any = field(default=None, compare=False)  # an environment's own record of it (a verifiers task's index)
 
 
 @dataclass(frozen=True)
@@ -99,7 +102,10 @@ def file_splits(spec: FileData) -> Splits:
     return Splits(train=examples[: -spec.validation_size], validation=examples[-spec.validation_size :])
 
 
-def load_splits(spec: SyntheticArithmeticData | FileData | HumanEvalData | SyntheticCodeData) -> Splits:
+def load_splits(spec, environment=None) -> Splits:
+    """The train / validation examples of a job's `data` section (ENVIRONMENT: the job's, for data.type environment)."""
+    if isinstance(spec, EnvironmentData):
+        return environment.splits(spec.validation_size, spec.seed)
     if isinstance(spec, SyntheticArithmeticData):
         return arithmetic_splits(spec)
     if isinstance(spec, HumanEvalData):

@@ -58,6 +58,7 @@ class UpdateBatch:
     ref_logprobs: list[torch.Tensor] | None = None  # reference log-probs (needed when kl_beta > 0)
     loss_mask: list[bool] | None = None  # False: the sample is left out of the loss and its denominators
     routed_experts: list[np.ndarray | None] | None = None  # replay: the rollout's experts per sample
+    token_masks: list[torch.Tensor] | None = None  # episodes: True at the model's tokens, False at the environment's
 
     def routing(self, policy, indices: list[int], mode: str = "replay"):
         """The context a forward (and backward) of samples INDICES runs in: the rollout's experts
@@ -69,7 +70,16 @@ class UpdateBatch:
 
     def trained_length(self, index: int) -> int:
         """Completion tokens of sample INDEX that the loss counts (0 when it is masked)."""
-        return 0 if self.loss_mask is not None and not self.loss_mask[index] else len(self.pairs[index][1])
+        if self.loss_mask is not None and not self.loss_mask[index]:
+            return 0
+        return int(self.token_masks[index].sum()) if self.token_masks is not None else len(self.pairs[index][1])
+
+    def trained_tokens(self, index: int) -> torch.Tensor:
+        """1.0 at the completion tokens of sample INDEX that the loss counts, 0.0 elsewhere."""
+        length = len(self.pairs[index][1])
+        if self.loss_mask is not None and not self.loss_mask[index]:
+            return torch.zeros(length)
+        return self.token_masks[index].float() if self.token_masks is not None else torch.ones(length)
 
 
 @dataclass
@@ -121,7 +131,7 @@ def policy_update(
     unreplayed, agreement, missing = None, None, 0
     if batch.routed_experts is not None:
         unreplayed_rows, agreement, missing = _score(policy, batch, limits, temperature, mode="compare")
-        unreplayed = measure_mismatch(unreplayed_rows, batch.rollout_logprobs)
+        unreplayed = measure_mismatch(unreplayed_rows, batch.rollout_logprobs, batch.token_masks)
     if policy.has_dropout or minibatches > 1:
         old_rows, _, _ = _score(policy, batch, limits, temperature, mode="replay")
     totals = {name: 0.0 for name in STAT_FIELDS}
@@ -144,7 +154,7 @@ def policy_update(
             steps += 1
             for name in STAT_FIELDS:
                 totals[name] += step_stats[name]
-    mismatch = measure_mismatch([row.cpu() for row in old_rows], batch.rollout_logprobs)  # type: ignore[union-attr]
+    mismatch = measure_mismatch([row.cpu() for row in old_rows], batch.rollout_logprobs, batch.token_masks)  # type: ignore[union-attr]
     return UpdateResult(**{name: value / steps for name, value in totals.items()}, mismatch=mismatch,
                         optimizer_steps=steps, micro_batches=passes, unreplayed_mismatch=unreplayed,
                         routing_agreement=agreement, routing_missing=missing)  # fmt: skip
@@ -207,9 +217,7 @@ def _accumulate(
             old_logprobs=padded([old_rows[i] for i in indices]),  # type: ignore[misc]
             rollout_logprobs=padded([batch.rollout_logprobs[i] for i in indices]),
             advantages=batch.advantages[indices].to(device),
-            mask=padded(
-                [torch.full((len(pairs[j][1]),), 1.0 if batch.trained_length(i) else 0.0) for j, i in enumerate(indices)]
-            ),  # fmt: skip
+            mask=padded([batch.trained_tokens(i) for i in indices]),
             ref_logprobs=padded([batch.ref_logprobs[i] for i in indices]) if batch.ref_logprobs is not None else None,
             totals=totals,
         )

@@ -87,5 +87,13 @@ def regex(completions: list[str], *, pattern: str, **_: Any) -> list[float | Non
 
 
 # code_tests runs programs in a sandbox: orbit_runtime/rewards/code.py
-BUILTINS = {"exact_match": exact_match, "prefix_match": prefix_match, "boxed_format": boxed_format, "regex": regex,
+def environment(completions: list[str], *, environment_rewards: list[float | None] | None = None, **_: Any) -> list[float | None]:
+    """The episode's reward as its environment scored it (a verifiers rubric, an Orbit Environment's
+    `score`); only for jobs with an environment section."""
+    if environment_rewards is None:
+        raise ValueError("the environment reward needs episodes (a job with an environment section)")
+    return list(environment_rewards)
+
+
+BUILTINS = {"exact_match": exact_match, "environment": environment, "prefix_match": prefix_match, "boxed_format": boxed_format, "regex": regex,
             "code_tests": code_tests}  # fmt: skip

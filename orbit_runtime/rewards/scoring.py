@@ -68,17 +68,22 @@ class RewardScorer:
             raise ValueError(f"returned {len(result)} rewards for {len(completions)} completions")
         return result
 
-    def score(self, completions: list[str], prompts: list[str], answers: list[str | None]) -> RewardResult:
+    def score(self, completions: list[str], prompts: list[str], answers: list[str | None],
+              extra: dict[str, list] | None = None) -> RewardResult:  # fmt: skip
+        """Every reward of every completion. EXTRA: more per-sample keyword lists (episodes pass
+        `environment_rewards` and `transcripts`), given to the functions whose signature takes them."""
+        extra = extra or {}
         totals = [0.0] * len(completions)
         per_function: dict[str, list[float]] = {}
         errors: dict[str, int] = {}
         for index, (spec, fn) in enumerate(zip(self.specs, self.functions, strict=True)):
             errors_before = errors.get(spec.function, 0)
-            base_kwargs = {"prompts": prompts, "answers": answers, **spec.kwargs}
+            extras = {name: values for name, values in extra.items() if _accepts(fn, name)}
+            base_kwargs = {"prompts": prompts, "answers": answers, **extras, **spec.kwargs}
             try:
                 values = self._call(fn, base_kwargs, completions)
             except Exception:
-                values = self._score_one_by_one(spec, fn, completions, prompts, answers, errors)
+                values = self._score_one_by_one(spec, fn, completions, prompts, answers, errors, extras)
             failed = errors.get(spec.function, 0) - errors_before  # this entry's (a function may be listed twice)
             if failed > spec.max_error_fraction * len(completions):
                 raise RewardsFailed(
@@ -90,11 +95,12 @@ class RewardScorer:
             totals = [t + spec.weight * v for t, v in zip(totals, clean, strict=True)]
         return RewardResult(total=totals, per_function=per_function, errors=errors)
 
-    def _score_one_by_one(self, spec, fn, completions, prompts, answers, errors) -> list[Any]:
+    def _score_one_by_one(self, spec, fn, completions, prompts, answers, errors, extras) -> list[Any]:
         """The batch call raised: isolate the failing samples, give them 0, count them."""
         values: list[Any] = []
         for i, completion in enumerate(completions):
-            kwargs = {"prompts": [prompts[i]], "answers": [answers[i]], **spec.kwargs}
+            one = {name: [column[i]] for name, column in extras.items()}
+            kwargs = {"prompts": [prompts[i]], "answers": [answers[i]], **one, **spec.kwargs}
             try:
                 values.append(self._call(fn, kwargs, [completion])[0])
             except Exception as exc:  # a user's reward must not kill the run
@@ -103,6 +109,15 @@ class RewardScorer:
                 log.warning("reward %s failed on sample %d: %s: %s", spec.function, i, type(exc).__name__, exc)
                 values.append(0.0)
         return values
+
+
+def _accepts(fn: RewardFn, name: str) -> bool:
+    """Does FN take the keyword NAME (by name or through **kwargs)?"""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.kind is p.VAR_KEYWORD or (p.name == name and p.kind is not p.POSITIONAL_ONLY) for p in parameters)
 
 
 async def _await(awaitable):

@@ -25,13 +25,15 @@ from orbit_runtime.api_key import auth_headers
 class Completion:
     """One sampled completion: its prompt, the generated ids and their rollout log-probs, and (MoE
     engines returning them) the experts chosen at each forwarded position: [prompt + completion - 1,
-    layers, k]."""
+    layers, k]. A multi-turn episode is one Completion too: TOKEN_MASK is True at the model's
+    tokens and False at the environment's (whose log-probs are placeholders)."""
 
     prompt_ids: list[int]
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str | None
     routed_experts: np.ndarray | None = field(default=None, compare=False)
+    token_mask: list[bool] | None = field(default=None, compare=False)
 
 
 def decode_routed_experts(encoded: str | None) -> np.ndarray | None:

@@ -15,6 +15,7 @@ from orbit_runtime.data.datasets import Example
 from orbit_runtime.learner.update import UpdateBatch
 from orbit_runtime.rewards.scoring import RewardResult, RewardScorer
 from orbit_runtime.rollout.client import Completion
+from orbit_runtime.trainer.episodes import Episode, EpisodeRunner
 from orbit_runtime.trainer.roles import ReferenceRole, RolloutRole
 
 
@@ -71,6 +72,7 @@ class RolloutBatch:
     ref_logprobs: list[torch.Tensor] | None
     mask_truncated: bool = False  # rollout.truncated == "mask": truncated samples are left out of the loss
     replay_routing: bool = False  # moe.routing_replay: the learner uses the rollout's experts
+    episodes: list[Episode] | None = None  # multi-turn: each sample's whole episode (its completion is completions[i])
 
     @property
     def truncated(self) -> list[bool]:
@@ -85,6 +87,7 @@ class RolloutBatch:
             ref_logprobs=self.ref_logprobs,
             loss_mask=[not t for t in self.truncated] if self.mask_truncated else None,
             routed_experts=[c.routed_experts for c in self.completions] if self.replay_routing else None,
+            token_masks=[torch.tensor(c.token_mask, dtype=torch.bool) for c in self.completions] if self.episodes else None,
         )
 
     @property
@@ -95,15 +98,46 @@ class RolloutBatch:
 class BatchBuilder:
     """Turns the sampler's prompt indices into a scored RolloutBatch."""
 
-    def __init__(self, spec: JobSpec, tokenizer, scorer: RewardScorer, rollout: RolloutRole, reference: ReferenceRole) -> None:
+    def __init__(self, spec: JobSpec, tokenizer, scorer: RewardScorer, rollout: RolloutRole, reference: ReferenceRole,
+                 episodes: EpisodeRunner | None = None) -> None:  # fmt: skip
         self.spec = spec
         self.tokenizer = tokenizer
         self.scorer = scorer
         self.rollout = rollout
         self.reference = reference
+        self.episodes = episodes  # multi-turn jobs: each sample is an episode with the environment
 
     def encode_prompt(self, example: Example) -> list[int]:
+        if self.episodes is not None:
+            return self.episodes.prompt_ids(example)
         return encode_prompt(self.tokenizer, example, self.spec.rollout.use_chat_template)
+
+    def run_episodes(self, examples: list[Example], group: int, temperature: float, seeds: list[int] | None,
+                     max_tokens: int | None = None, kind: str = "episodes") -> list[Episode]:  # fmt: skip
+        """GROUP episodes per example (prompt-major), each turn one seeded request to the served adapter.
+        The whole batch is one supervised call: if the engine dies, it is restarted and the batch rerun."""
+        runner = self.episodes
+        assert runner is not None
+
+        def batch(client) -> list[Episode]:
+            model = self.rollout.served_name  # read per attempt: a restarted server may serve another name
+
+            def turn(ids: list[int], budget: int, seed: int | None) -> Completion:
+                return client.generate([ids], model=model, n=1, max_tokens=min(budget, max_tokens or budget),
+                                       temperature=temperature, seed=seed)[0][0]  # fmt: skip
+
+            return runner.run(turn, examples, group, seeds)
+
+        return self.rollout.call(batch, kind=kind)
+
+    def score_episodes(self, episodes: list[Episode], examples: list[Example], scorer: RewardScorer) -> RewardResult:
+        """SCORER's rewards of each episode's answer (its last model turn), with the environment's own reward and the
+        conversation passed to the functions that take them; an episode whose environment failed scores 0."""
+        result = scorer.score([e.answer for e in episodes], [x.prompt for x in examples], [x.answer for x in examples],
+                              extra={"environment_rewards": [e.environment_reward for e in episodes],
+                                     "transcripts": [e.messages for e in episodes]})  # fmt: skip
+        result.total = [0.0 if e.ending == "env_error" else t for e, t in zip(episodes, result.total, strict=True)]
+        return result
 
     def generate(self, examples: list[Example], step: int) -> list[Completion]:
         """group_size samples per example, prompt-major, seeded per (run seed, step, position)."""
@@ -119,14 +153,26 @@ class BatchBuilder:
 
     def build(self, indices: list[int], examples: list[Example], step: int, timings: dict[str, float]) -> RolloutBatch:
         spec, group = self.spec, self.spec.rollout.group_size
+        per_sample = [e for e in examples for _ in range(group)]
         t = time.monotonic()
-        completions = self.generate(examples, step)
+        episodes = None
+        if self.episodes is not None:
+            episodes = self.run_episodes(examples, group, spec.rollout.temperature,
+                                         sampling_seeds(spec.schedule.seed, step, len(examples)))  # fmt: skip
+            completions = [e.completion for e in episodes]
+        else:
+            completions = self.generate(examples, step)
         timings["generate_s"] = time.monotonic() - t
+        if episodes is not None:
+            timings["environment_s"] = sum(e.environment_seconds for e in episodes)  # summed over episodes in flight
 
         t = time.monotonic()
-        texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
-        per_sample = [e for e in examples for _ in range(group)]
-        rewards = self.scorer.score(texts, [e.prompt for e in per_sample], [e.answer for e in per_sample])
+        if episodes is not None:
+            texts = [e.answer for e in episodes]
+            rewards = self.score_episodes(episodes, per_sample, self.scorer)
+        else:
+            texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
+            rewards = self.scorer.score(texts, [e.prompt for e in per_sample], [e.answer for e in per_sample])
         truncated = [c.finish_reason == "length" for c in completions]
         rewards.total = truncated_rewards(rewards.total, truncated, spec.rollout.truncated, spec.rollout.truncated_reward)
         advantages = group_advantages(torch.tensor(rewards.total), group, spec.algorithm.normalize_advantage_std)
@@ -140,4 +186,4 @@ class BatchBuilder:
         timings["reference_s"] = time.monotonic() - t
         return RolloutBatch(indices, examples, completions, texts, rewards, advantages, ref,
                             mask_truncated=spec.rollout.truncated == "mask",
-                            replay_routing=spec.moe.routing_replay)  # fmt: skip
+                            replay_routing=spec.moe.routing_replay, episodes=episodes)  # fmt: skip

@@ -37,6 +37,8 @@ def eval_reward_spec(spec: JobSpec) -> RewardSpec:
     """eval.reward, or exact_match with the kwargs of the job's exact_match reward (if any)."""
     if spec.eval.reward is not None:
         return spec.eval.reward
+    if spec.environment is not None and spec.environment.type == "verifiers":
+        return RewardSpec(function="environment")  # its rubric
     kwargs = next((r.kwargs for r in spec.rewards if r.function == "exact_match"), {})
     return RewardSpec(function="exact_match", kwargs=kwargs)
 
@@ -85,20 +87,30 @@ class Evaluator:
         """One eval row: held-out accuracy (mean@k of eval.reward) with its standard error, pass@k, the
         training rewards' mean, a few samples."""
         examples, k, temperature = self.examples, self.spec.eval.samples, self.temperature
-        prompts = [self.builder.encode_prompt(e) for e in examples]
         max_tokens = self.spec.eval.max_tokens or self.spec.rollout.max_tokens
-        seeds = sampling_seeds(self.spec.schedule.seed, EVAL_SEED_STEP, len(prompts)) if temperature > 0 else None
-        groups = self.rollout.call(
-            lambda c: c.generate(prompts, model=self.rollout.served_name, n=k, max_tokens=max_tokens, temperature=temperature,
-                                 seed=seeds), kind="eval",
-        )  # fmt: skip
-        texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for g in groups for c in g]
+        seeds = sampling_seeds(self.spec.schedule.seed, EVAL_SEED_STEP, len(examples)) if temperature > 0 else None
         prompt_texts = [e.prompt for e in examples for _ in range(k)]
         answers = [e.answer for e in examples for _ in range(k)]
-        scores = self.accuracy_scorer.score(texts, prompt_texts, answers).per_function[self.metric.function]
+        transcripts = None
+        if self.builder.episodes is not None:  # multi-turn: whole episodes, each turn up to MAX_TOKENS
+            episodes = self.builder.run_episodes(examples, k, temperature, seeds, max_tokens=max_tokens, kind="eval")
+            per_sample = [e for e in examples for _ in range(k)]
+            texts = [e.answer for e in episodes]
+            transcripts = [e.messages for e in episodes]
+            scores = self.builder.score_episodes(episodes, per_sample, self.accuracy_scorer).total
+            rewards = self.builder.score_episodes(episodes, per_sample, self.builder.scorer)
+        else:
+            prompts = [self.builder.encode_prompt(e) for e in examples]
+            groups = self.rollout.call(
+                lambda c: c.generate(prompts, model=self.rollout.served_name, n=k, max_tokens=max_tokens,
+                                     temperature=temperature, seed=seeds), kind="eval",
+            )  # fmt: skip
+            texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for g in groups for c in g]
+            scores = self.accuracy_scorer.score(texts, prompt_texts, answers).per_function[self.metric.function]
+            rewards = self.builder.scorer.score(texts, prompt_texts, answers)
         per_prompt = [scores[i * k : (i + 1) * k] for i in range(len(examples))]
         accuracy, stderr = mean_and_stderr([sum(s) / k for s in per_prompt])
-        rewards = self.builder.scorer.score(texts, prompt_texts, answers)
+        shown = range(0, min(SAMPLES_PER_EVAL * k, len(texts)), k)
         return {
             "kind": "eval",
             "step": step,
@@ -111,7 +123,8 @@ class Evaluator:
             "reward_mean": sum(rewards.total) / len(rewards.total),
             "examples": len(examples),
             "samples": [
-                {"prompt": p, "completion": t, "answer": a, "score": s}
-                for p, t, a, s in list(zip(prompt_texts, texts, answers, scores, strict=True))[: SAMPLES_PER_EVAL * k : k]
-            ],
+                {"prompt": prompt_texts[i], "completion": texts[i], "answer": answers[i], "score": scores[i],
+                 **({"messages": transcripts[i]} if transcripts is not None else {})}
+                for i in shown
+            ],  # fmt: skip
         }

@@ -58,6 +58,7 @@ from orbit_runtime.trainer.checkpointing import (
     restore_rng,
 )
 from orbit_runtime.trainer.colocated import ColocatedBase, load_colocated
+from orbit_runtime.trainer.episodes import episode_runner
 from orbit_runtime.trainer.evaluation import Evaluator, describe_eval, heldout_summary
 from orbit_runtime.trainer.on_policy import OffPolicy, OnPolicyGuard
 from orbit_runtime.trainer.recorder import RunRecorder, RunState, sample_rows, signal_health, status_document, step_row
@@ -80,7 +81,7 @@ def loss_config(spec: JobSpec) -> LossConfig:
         mismatch_level=algo.mismatch_level,
         dual_clip=algo.dual_clip,
         kl_clamp=algo.kl_clamp,
-        max_tokens=spec.rollout.max_tokens,
+        max_tokens=spec.environment.max_tokens if spec.environment else spec.rollout.max_tokens,  # Dr.GRPO's constant
     )
 
 
@@ -101,7 +102,8 @@ class Trainer:
                                              resume=resume, resume_from=resume_from)  # fmt: skip
         torch.manual_seed(spec.schedule.seed)
         self.tokenizer = AutoTokenizer.from_pretrained(spec.model.path)
-        self.splits = load_splits(spec.data)
+        self.episodes = episode_runner(spec, self.tokenizer)  # multi-turn jobs; None: single-turn
+        self.splits = load_splits(spec.data, self.episodes.environment if self.episodes else None)
         self.sampler = PromptSampler(size=len(self.splits.train), seed=spec.schedule.seed)
         self.learner_dtype = spec.model.learner_dtype or spec.model.dtype
         self.device = resolve_device(spec.learner.device)
@@ -141,7 +143,8 @@ class Trainer:
         self.reference = ReferenceRole(spec.reference.mode, self.policy, Path(spec.model.path), self.learner_dtype,
                                        self.paths.logs / "reference.log", spec.reference.max_restarts, self.limits,
                                        external.reference_url, external.wait_s, api_key=self.api_key)  # fmt: skip
-        self.builder = BatchBuilder(spec, self.tokenizer, RewardScorer(spec.rewards), self.rollout, self.reference)
+        self.builder = BatchBuilder(spec, self.tokenizer, RewardScorer(spec.rewards), self.rollout, self.reference,
+                                    self.episodes)  # fmt: skip
         self.evaluator = Evaluator(spec, self.tokenizer, self.builder, self.rollout, self.splits.validation)
         self.metrics_server: MetricsServer | None = None
         self._probe_stop = threading.Event()

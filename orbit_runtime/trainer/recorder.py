@@ -102,6 +102,10 @@ def sample_rows(step: int, batch: RolloutBatch, group_size: int, limit: int) -> 
             "reward": batch.rewards.total[i], "advantage": float(batch.advantages[i]),
             "tokens": len(batch.completions[i].token_ids), "finish_reason": batch.completions[i].finish_reason,
         })  # fmt: skip
+        if batch.episodes is not None:  # the whole episode: every message, how it ended
+            episode = batch.episodes[i]
+            rows[-1] |= {"messages": episode.messages, "turns": episode.turns, "ending": episode.ending,
+                         "model_tokens": episode.model_tokens, "environment_reward": episode.environment_reward}  # fmt: skip
     return rows
 
 
