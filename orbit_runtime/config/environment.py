@@ -24,13 +24,28 @@ class EnvironmentData(BaseModel):
     seed: int = Field(0, description="Seed of the train / validation split.")
 
 
+class BfclData(BaseModel):
+    """The Berkeley Function Calling Leaderboard's single-turn tasks, read from the installed bfcl-eval package's files."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["bfcl"] = Field(description="bfcl: BFCL tasks (with environment.type bfcl).")
+    categories: list[Literal["simple_python", "multiple", "parallel", "parallel_multiple"]] = Field(
+        default_factory=lambda: ["simple_python"], min_length=1, description="BFCL categories (single-turn, AST-checked)."
+    )
+    validation_size: int = Field(64, ge=1, description="Tasks held out (the last ones after a seeded shuffle).")
+    seed: int = Field(0, description="Seed of the train / validation split.")
+
+
 class EnvironmentSpec(BaseModel):
     """The environment of a multi-turn job and its limits."""
 
     model_config = ConfigDict(extra="forbid")
 
-    type: Literal["tools", "verifiers", "python"] = Field(
+    type: Literal["tools", "verifiers", "python", "bfcl"] = Field(
         description=(
+            "bfcl: the Berkeley Function Calling Leaderboard's single-turn tasks (with data.type bfcl): the model "
+            "calls the task's functions, the calls are scored against BFCL's possible answers (the `environment` reward). "
             "tools: the model calls the listed tools (Hermes/Qwen <tool_call> JSON in the chat template) until it "
             "answers without a call; the answer is scored by `rewards`. verifiers: an environment written for "
             "PrimeIntellect's `verifiers` library (`load` returns it), scored by its rubric (the `environment` reward). "
@@ -74,5 +89,7 @@ class EnvironmentSpec(BaseModel):
             raise ValueError("type tools needs at least one entry in tools")
         if self.type != "tools" and self.tools:
             raise ValueError(f"tools are for type tools; a {self.type} environment brings its own")
+        if self.type == "bfcl" and self.load:
+            raise ValueError("type bfcl takes no load")
         if self.type in ("verifiers", "python") and not self.load:
             raise ValueError(f"type {self.type} needs load: 'module:callable' returning the environment")

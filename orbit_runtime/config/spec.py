@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from orbit_runtime.config.adapter import AdapterSpec
 from orbit_runtime.config.code_data import HumanEvalData, SyntheticCodeData
-from orbit_runtime.config.environment import EnvironmentData, EnvironmentSpec
+from orbit_runtime.config.environment import BfclData, EnvironmentData, EnvironmentSpec
 from orbit_runtime.config.learner import LearnerSpec
 from orbit_runtime.config.moe import MoeSpec
 from orbit_runtime.config.storage_uri import validate_storage_uri
@@ -144,7 +144,7 @@ class FileData(Section):
 
 
 DataSpec = Annotated[
-    SyntheticArithmeticData | FileData | HumanEvalData | SyntheticCodeData | EnvironmentData, Field(discriminator="type")
+    SyntheticArithmeticData | FileData | HumanEvalData | SyntheticCodeData | EnvironmentData | BfclData, Field(discriminator="type")
 ]
 
 
@@ -400,11 +400,13 @@ class JobSpec(Section):
         if self.moe.routing_replay:
             raise ValueError("moe.routing_replay: not supported with multi-turn episodes in this version (each turn's "
                              "request returns the routing of its own positions only)")
-        if env.type == "verifiers":
-            if "rewards" not in self.model_fields_set:
-                self.rewards = [RewardSpec(function="environment")]  # a verifiers environment scores with its rubric
+        if env.type in ("verifiers", "bfcl"):
+            if "rewards" not in self.model_fields_set:  # a verifiers rubric, BFCL's answer check
+                self.rewards = [RewardSpec(function="environment")]
             if "data" not in self.model_fields_set:
-                self.data = EnvironmentData(type="environment")
+                self.data = EnvironmentData(type="environment") if env.type == "verifiers" else BfclData(type="bfcl")
+        if (env.type == "bfcl") != isinstance(self.data, BfclData):
+            raise ValueError("environment.type bfcl and data.type bfcl go together")
         if isinstance(self.data, EnvironmentData) and env.type != "verifiers":
             raise ValueError("data.type environment: only a verifiers environment brings its own tasks")
         if env.type == "verifiers" and not isinstance(self.data, EnvironmentData):
@@ -438,7 +440,7 @@ def format_validation_error(error: ValidationError, source: str) -> str:
     lines = [f"{source}: invalid job spec"]
     for item in error.errors():
         path = ".".join(
-            str(p) for p in item["loc"] if not (isinstance(p, str) and p in ("synthetic_arithmetic", "jsonl", "parquet", "humaneval", "synthetic_code", "environment"))
+            str(p) for p in item["loc"] if not (isinstance(p, str) and p in ("synthetic_arithmetic", "jsonl", "parquet", "humaneval", "synthetic_code", "environment", "bfcl"))
         )
         lines.append(f"  {path or '(top level)'}: {item['msg']}")
     return "\n".join(lines)

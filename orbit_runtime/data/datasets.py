@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from orbit_runtime.config.code_data import HumanEvalData, SyntheticCodeData
-from orbit_runtime.config.environment import EnvironmentData
+from orbit_runtime.config.environment import BfclData, EnvironmentData
 from orbit_runtime.config.spec import FileData, SyntheticArithmeticData
 from orbit_runtime.data.code_tasks import humaneval_splits, synthetic_code_splits
 from orbit_runtime.errors import OrbitError
@@ -106,6 +106,10 @@ def load_splits(spec, environment=None) -> Splits:
     """The train / validation examples of a job's `data` section (ENVIRONMENT: the job's, for data.type environment)."""
     if isinstance(spec, EnvironmentData):
         return environment.splits(spec.validation_size, spec.seed)
+    if isinstance(spec, BfclData):
+        from orbit_runtime.environments.bfcl import bfcl_splits
+
+        return bfcl_splits(spec.categories, spec.validation_size, spec.seed)
     if isinstance(spec, SyntheticArithmeticData):
         return arithmetic_splits(spec)
     if isinstance(spec, HumanEvalData):

@@ -12,6 +12,10 @@ from orbit_runtime.errors import OrbitError
 
 def load_environment(spec: EnvironmentSpec, job=None) -> Environment:
     """The Environment of SPEC (JOB: the whole job spec, for settings an environment shares with it)."""
+    if spec.type == "bfcl":
+        from orbit_runtime.environments.bfcl import BfclEnvironment
+
+        return BfclEnvironment()
     if spec.type == "tools":
         return ToolEnvironment([load_tool(name) for name in spec.tools], spec.system_prompt, spec.tool_timeout_s)
     made = load_callable(spec.load, "environment.load")(**spec.kwargs)  # type: ignore[arg-type]

@@ -37,8 +37,8 @@ def eval_reward_spec(spec: JobSpec) -> RewardSpec:
     """eval.reward, or exact_match with the kwargs of the job's exact_match reward (if any)."""
     if spec.eval.reward is not None:
         return spec.eval.reward
-    if spec.environment is not None and spec.environment.type == "verifiers":
-        return RewardSpec(function="environment")  # its rubric
+    if spec.environment is not None and spec.environment.type in ("verifiers", "bfcl"):
+        return RewardSpec(function="environment")  # its rubric, BFCL's answer check
     kwargs = next((r.kwargs for r in spec.rewards if r.function == "exact_match"), {})
     return RewardSpec(function="exact_match", kwargs=kwargs)
 

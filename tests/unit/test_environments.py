@@ -3,6 +3,7 @@ the episode runner (token ids, masks, log-probs, limits, concurrency) and the le
 
 from __future__ import annotations
 
+import json
 import threading
 
 import pytest
@@ -287,3 +288,45 @@ def test_a_verifiers_tool_environment_runs_its_tools_and_its_rubric_reward_reach
                            extra={"environment_rewards": [used.environment_reward, skipped.environment_reward]})  # fmt: skip
     advantages = group_advantages(torch.tensor(rewards.total), 2, True)
     assert rewards.total == [used.environment_reward, skipped.environment_reward] and advantages[0] > 0 > advantages[1]
+
+
+# ---- BFCL (the data files of the installed bfcl-eval package) --------------------------------
+def _ground_truth_calls(answer: str) -> list[str]:
+    """One call text per expected call, with each parameter's first allowed value (optional ones left out)."""
+    calls = []
+    for expected in json.loads(answer):
+        ((name, params),) = expected.items()
+        arguments = {p: allowed[0] for p, allowed in params.items() if allowed and allowed[0] != ""}
+        calls.append(format_tool_call(name, arguments))
+    return calls
+
+
+def test_bfcl_possible_answers_score_1_and_wrong_calls_0(tokenizer):
+    from orbit_runtime.environments.bfcl import CATEGORIES, BfclEnvironment, bfcl_examples
+
+    examples = bfcl_examples(list(CATEGORIES))
+    assert len(examples) == 400 + 200 + 200 + 200
+    env = BfclEnvironment()
+    for example in examples:  # every task's own answer, its calls in reverse order (parallel ones may come in any)
+        state = env.reset(example)
+        reply = env.step(state, {"role": "assistant", "content": "".join(reversed(_ground_truth_calls(example.answer)))})
+        assert reply.done and reply.reward == 1.0, example.source["id"]
+    example = examples[0]  # simple_python_0: calculate_triangle_area(base=10, height=5)
+    wrong = [format_tool_call("calculate_triangle_area", {"base": 11, "height": 5}),
+             format_tool_call("calculate_triangle_area", {"base": 10}),
+             format_tool_call("calculate_triangle_area", {"base": 10, "height": 5, "colour": "red"}),
+             format_tool_call("area", {"base": 10, "height": 5}), "the area is 25", _ground_truth_calls(example.answer)[0] * 2]  # fmt: skip
+    assert [env.step(env.reset(example), {"role": "assistant", "content": w}).reward for w in wrong] == [0.0] * 6
+    assert env.step(env.reset(example), {"role": "assistant", "content": format_tool_call(
+        "calculate_triangle_area", {"base": 10.0, "height": 5, "unit": "Units "})}).reward == 1.0  # fmt: skip
+    schema = env.tools(example)[0]
+    assert schema["function"]["parameters"]["type"] == "object"  # BFCL's "dict", as OpenAI's tools format has it
+    opening = ChatTokens(tokenizer).opening(env.reset(example).messages, env.tools(example))
+    assert "tools: calculate_triangle_area(base,height,unit)" in tokenizer.decode(opening)
+
+
+def test_a_bfcl_job_scores_with_the_answer_check():
+    spec = parse_job_spec({"model": {"path": "x"}, "environment": {"type": "bfcl"}})
+    assert spec.data.type == "bfcl" and [r.function for r in spec.rewards] == ["environment"]
+    with pytest.raises(OrbitError, match="go together"):
+        parse_job_spec({"model": {"path": "x"}, "environment": {"type": "tools", "tools": ["calculator"]}, "data": {"type": "bfcl"}})
