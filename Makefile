@@ -24,12 +24,13 @@ PIP_FILTER := sed '/is ignored: it is neither a file nor a directory/d'
 # root needs no sudo (CI); elsewhere apt-get runs through sudo
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: help install lock images test-tools test test-fast demo demo-moe bench clean
+.PHONY: help install lock images test-tools test test-fast demo demo-moe demo-calculator bench clean
 
 help:
 	@echo "make test   - set up .venv and run the test suite (real vLLM CPU server included)"
 	@echo "make demo   - set up .venv, build + quantize the demo model, train it with GRPO (examples/quickstart.yaml)"
 	@echo "make demo-moe - the same on a tiny Qwen3-MoE (examples/quickstart-moe.yaml)"
+	@echo "make demo-calculator - multi-turn tool calling: the demo model learns to use a calculator (examples/calculator.yaml)"
 	@echo "make bench  - run every CPU benchmark (mismatch, memory) into bench-out/"
 	@echo "make lock   - re-resolve pyproject.toml from scratch and rewrite constraints.txt"
 
@@ -95,6 +96,15 @@ demo-moe: install
 	$(VENV)/bin/orbit quantize $(MOE_RUN_DIR)/base $(MOE_RUN_DIR)/base-int4 --overwrite
 	rm -rf $(MOE_RUN_DIR)/checkpoints
 	$(VENV)/bin/orbit train examples/quickstart-moe.yaml
+
+# Multi-turn tool calling: the demo model, warmed up on the tool-call format too, learns to use a
+# calculator tool reliably (examples/calculator.yaml, docs/multi-turn.md)
+CALC_RUN_DIR := runs/calculator
+demo-calculator: install
+	$(VENV)/bin/orbit demo-model $(CALC_RUN_DIR)/base --warmup-steps 600 --warmup-tools --overwrite
+	$(VENV)/bin/orbit quantize $(CALC_RUN_DIR)/base $(CALC_RUN_DIR)/base-int4 --overwrite
+	rm -rf $(CALC_RUN_DIR)/checkpoints
+	$(VENV)/bin/orbit train examples/calculator.yaml
 
 bench: install
 	$(PY) benchmarks/mismatch.py --json bench-out/mismatch.json

@@ -71,6 +71,9 @@ def demo_model(
     warmup_steps: Annotated[
         int, typer.Option(help="Supervised warm-up steps standing in for pretraining (0: random weights).")
     ] = 0,
+    warmup_tools: Annotated[
+        bool, typer.Option(help="The warm-up also teaches the calculator tool-call format (for examples/calculator.yaml).")
+    ] = False,
     overwrite: Annotated[bool, typer.Option(help="Replace OUT_DIR if it is not empty.")] = False,
 ) -> None:
     """Write a tiny model (dense Qwen2 or an MoE) with a local character-level tokenizer (no network)."""
@@ -83,8 +86,9 @@ def demo_model(
     if warmup_steps:
         from orbit_runtime.demo_warmup import warm_up
 
-        loss = warm_up(path, steps=warmup_steps, seed=seed)
-        console.print(f"warm-up: {warmup_steps} supervised steps on the answer format (other questions), final loss {loss:.3f}")
+        loss = warm_up(path, steps=warmup_steps, seed=seed, tools=warmup_tools)
+        what = "the answer and tool-call formats" if warmup_tools else "the answer format"
+        console.print(f"warm-up: {warmup_steps} supervised steps on {what} (other questions), final loss {loss:.3f}")
     console.print(f"wrote demo model to {path}")
     typer.echo(str(path))
 

@@ -15,8 +15,16 @@ from pathlib import Path
 from orbit_runtime.errors import OrbitError
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-# Qwen-style chat template: the model answers after "<|im_start|>assistant\n".
+# Hermes/Qwen tool-call tags, one token each as in Qwen's tokenizer (added, not special: a decoded
+# completion keeps them, so its calls can be read back)
+TOOL_TOKENS = ["<tool_call>", "</tool_call>"]
+# Qwen-style chat template: the model answers after "<|im_start|>assistant\n". With tools, a short
+# system turn lists them ("tools: calculator(expression)": the demo model reads characters, so its
+# template spells the schema out briefly); tool results come back as a `tool` turn.
 CHAT_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\ntools:' }}"
+    "{% for tool in tools %}{{ ' ' + tool['function']['name'] + '(' + (tool['function']['parameters']['properties'] | list | join(',')) + ')' }}{% endfor %}"
+    "{{ '<|im_end|>\n' }}{% endif %}"
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
     "{% endfor %}"
@@ -52,7 +60,7 @@ def _byte_level_char(byte: int) -> str:
 
 
 def build_tokenizer_vocab() -> list[str]:
-    """Printable ASCII plus newline (one token per character), the special tokens, padded to 128.
+    """Printable ASCII plus newline (one token per character), the special tokens and the tool-call tags, padded to 128.
 
     Tokens are written in the byte-level alphabet (space is "Ġ", newline "Ċ") because
     transformers loads any `qwen2` tokenizer with Qwen2's byte-level pre-tokenizer; a plain
@@ -60,7 +68,7 @@ def build_tokenizer_vocab() -> list[str]:
     single tokens, which suits arithmetic tasks.
     """
     chars = sorted(set(string.printable) - set("\t\r\x0b\x0c"))
-    vocab = [_byte_level_char(ord(c)) for c in chars] + SPECIAL_TOKENS
+    vocab = [_byte_level_char(ord(c)) for c in chars] + SPECIAL_TOKENS + TOOL_TOKENS
     vocab += [f"<|reserved_{i}|>" for i in range(128 - len(vocab))]
     return vocab
 
@@ -92,6 +100,7 @@ def write_demo_model(
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     core.decoder = decoders.ByteLevel()
     core.add_special_tokens([tok for tok in vocab if tok.startswith("<|")])
+    core.add_tokens(TOOL_TOKENS)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core,
         eos_token="<|im_end|>",

@@ -7,6 +7,11 @@ problems: "What is 437?" and "What is 437*1?" -> "\\boxed{437}". It never sees a
 multiplier, so it answers "What is 43*10?" with "\\boxed{43}"; RL on the INT4 base + LoRA is
 what teaches it to multiply by ten, a rule it then applies to questions never used in RL
 (the held-out accuracy).
+
+With tools (`tool_warmup_corpus`, for the calculator environment) it also learns the Hermes/Qwen
+tool-call format on additions and subtractions: call the calculator with the question's
+expression, then box what the tool answered. It never sees a multiplication; RL is what teaches
+it to use the calculator on those, questions it cannot answer from its weights.
 """
 
 from __future__ import annotations
@@ -27,8 +32,30 @@ def warmup_corpus(seed: int, count: int = 600) -> list[tuple[str, str]]:
     return pairs
 
 
-def warm_up(model_dir: Path, steps: int = 400, seed: int = 0, lr: float = 3e-3, batch: int = 32) -> float:
-    """Train MODEL_DIR in place on `warmup_corpus`; returns the final loss."""
+Segments = list[tuple[str, bool]]  # (text, trained): one sequence, the loss on the trained parts only
+
+
+def tool_warmup_corpus(seed: int, count: int = 600) -> list[Segments]:
+    """Calculator episodes on a + b and a - b (two-digit a, b): the call, the tool's turn (not trained), the boxed result."""
+    from orbit_runtime.environments.calculator import calculator
+    from orbit_runtime.environments.tool_calls import format_tool_call
+
+    rng = random.Random(seed + 1)
+    episodes = []
+    for _ in range(count):
+        a, b, op = rng.randrange(10, 100), rng.randrange(10, 100), rng.choice("+-")
+        expression = f"{a}{op}{b}"
+        result = calculator(expression)
+        prompt = (f"<|im_start|>system\ntools: calculator(expression)<|im_end|>\n"
+                  f"<|im_start|>user\nWhat is {expression}?<|im_end|>\n<|im_start|>assistant\n")  # fmt: skip
+        episodes.append([(prompt, False), (format_tool_call("calculator", {"expression": expression}) + "<|im_end|>", True),
+                         (f"\n<|im_start|>tool\n{result}<|im_end|>\n<|im_start|>assistant\n", False),
+                         (f"\\boxed{{{result}}}<|im_end|>", True)])  # fmt: skip
+    return episodes
+
+
+def warm_up(model_dir: Path, steps: int = 400, seed: int = 0, lr: float = 3e-3, batch: int = 32, tools: bool = False) -> float:
+    """Train MODEL_DIR in place on `warmup_corpus` (and, with TOOLS, `tool_warmup_corpus`); returns the final loss."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -36,23 +63,30 @@ def warm_up(model_dir: Path, steps: int = 400, seed: int = 0, lr: float = 3e-3, 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()
-    encoded = []
-    for prompt, completion in warmup_corpus(seed):
-        p = tokenizer.encode(prompt, add_special_tokens=False)
-        c = tokenizer.encode(completion, add_special_tokens=False)
-        encoded.append((p, c))
+    corpus: list[Segments] = [[(prompt, False), (completion, True)] for prompt, completion in warmup_corpus(seed)]
+    if tools:
+        corpus += tool_warmup_corpus(seed)
+    encoded = []  # (ids, labels) per sequence; labels -100 where not trained
+    for segments in corpus:
+        ids: list[int] = []
+        labels: list[int] = []
+        for text, trained in segments:
+            part = tokenizer.encode(text, add_special_tokens=False)
+            ids += part
+            labels += part if trained else [-100] * len(part)
+        encoded.append((ids, labels))
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20) * max(0.05, 1 - s / steps))
     rng = random.Random(seed)
     loss_value = float("nan")
     for _ in range(steps):
         rows = [encoded[rng.randrange(len(encoded))] for _ in range(batch)]
-        width = max(len(p) + len(c) for p, c in rows)
+        width = max(len(row_ids) for row_ids, _ in rows)
         ids = torch.full((batch, width), tokenizer.pad_token_id)
         labels = torch.full((batch, width), -100)
-        for i, (p, c) in enumerate(rows):
-            ids[i, : len(p) + len(c)] = torch.tensor(p + c)
-            labels[i, len(p) : len(p) + len(c)] = torch.tensor(c)
+        for i, (row_ids, row_labels) in enumerate(rows):
+            ids[i, : len(row_ids)] = torch.tensor(row_ids)
+            labels[i, : len(row_labels)] = torch.tensor(row_labels)
         loss = model(input_ids=ids, labels=labels).loss
         optimizer.zero_grad()
         loss.backward()

@@ -70,8 +70,16 @@ class EnvironmentSpec(BaseModel):
         256, ge=1, description="Most tokens per episode after its prompt (the model's and the environment's); each turn "
         "also stops at rollout.max_tokens. An episode that reaches it is truncated (rollout.truncated applies)."
     )
-    concurrency: int = Field(32, ge=1, le=1024, description="Episodes in flight at once (concurrent requests to vLLM).")
+    concurrency: int = Field(32, ge=1, le=100, description="Episodes in flight at once (concurrent requests to vLLM; at most "
+                             "100, the rollout client's connection pool).")
     tool_timeout_s: float = Field(10.0, gt=0, description="Wall-clock limit of one tool call; a tool that runs longer answers with an error.")
+
+    @field_validator("load")
+    @classmethod
+    def validate_load(cls, load: str | None) -> str | None:
+        if load is not None and (":" not in load or not all(load.partition(":")[::2])):
+            raise ValueError(f"{load!r}: expected 'module:callable'")
+        return load
 
     @field_validator("tools")
     @classmethod
@@ -89,7 +97,9 @@ class EnvironmentSpec(BaseModel):
             raise ValueError("type tools needs at least one entry in tools")
         if self.type != "tools" and self.tools:
             raise ValueError(f"tools are for type tools; a {self.type} environment brings its own")
-        if self.type == "bfcl" and self.load:
-            raise ValueError("type bfcl takes no load")
+        if self.type in ("tools", "bfcl") and (self.load or self.kwargs):
+            raise ValueError(f"load and kwargs are for types verifiers and python, not {self.type}")
+        if self.type != "tools" and self.system_prompt is not None:
+            raise ValueError(f"system_prompt is for type tools; a {self.type} environment brings its own prompts")
         if self.type in ("verifiers", "python") and not self.load:
             raise ValueError(f"type {self.type} needs load: 'module:callable' returning the environment")

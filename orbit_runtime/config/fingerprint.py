@@ -30,7 +30,8 @@ EXCLUDED = (
 
 # Fields added after checkpoints were first written, left out of the hash while at their
 # default: a run that does not use them resumes the checkpoints of earlier versions.
-LATER_DEFAULTS = {"rollout.truncated": "keep", "rollout.truncated_reward": 0.0, "moe.routing_replay": False}
+LATER_DEFAULTS = {"rollout.truncated": "keep", "rollout.truncated_reward": 0.0, "moe.routing_replay": False,
+                  "environment": None}  # fields added after runs were checkpointed: their defaults keep old hashes
 REWARD_GUARDS = ("max_error_fraction",)  # per reward: when a step fails, not what it computes
 
 

@@ -397,6 +397,14 @@ class JobSpec(Section):
             env.check()
         except ValueError as exc:
             raise ValueError(f"environment: {exc}") from None
+        if not self.rollout.use_chat_template:
+            raise ValueError("rollout.use_chat_template: episodes are rendered with the chat template; it cannot be false")
+        if env.max_tokens >= self.rollout.max_model_len:
+            raise ValueError(f"environment.max_tokens ({env.max_tokens}) must be below rollout.max_model_len "
+                             f"({self.rollout.max_model_len}): the episode follows its prompt in vLLM's context")
+        if env.type == "tools" and any(r.function == "environment" for r in self.rewards):
+            raise ValueError("rewards: a tools environment gives no environment reward; score its answers with rewards "
+                             "such as exact_match")
         if self.moe.routing_replay:
             raise ValueError("moe.routing_replay: not supported with multi-turn episodes in this version (each turn's "
                              "request returns the routing of its own positions only)")
@@ -439,9 +447,8 @@ def format_validation_error(error: ValidationError, source: str) -> str:
     """One line per problem, each naming the field by its dotted path."""
     lines = [f"{source}: invalid job spec"]
     for item in error.errors():
-        path = ".".join(
-            str(p) for p in item["loc"] if not (isinstance(p, str) and p in ("synthetic_arithmetic", "jsonl", "parquet", "humaneval", "synthetic_code", "environment", "bfcl"))
-        )
+        loc = item["loc"]  # pydantic puts the data type's tag after "data": data.<tag>.field
+        path = ".".join(str(p) for i, p in enumerate(loc) if not (i == 1 and loc[0] == "data" and isinstance(p, str)))
         lines.append(f"  {path or '(top level)'}: {item['msg']}")
     return "\n".join(lines)
 

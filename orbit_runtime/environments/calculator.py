@@ -4,6 +4,7 @@ tree (never `eval`), with bounds so a model cannot make it compute forever."""
 from __future__ import annotations
 
 import ast
+import math
 import operator
 
 _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
@@ -38,12 +39,17 @@ def _evaluate(node: ast.AST) -> int | float:
         return _UNARY[type(node.op)](_evaluate(node.operand))
     if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
         left, right = _evaluate(node.left), _evaluate(node.right)
-        if isinstance(node.op, ast.Pow) and (abs(right) > 64 or (abs(left) > 1 and abs(right) * abs(left).bit_length() > 64)):
-            raise ValueError("the power is too large")
+        if isinstance(node.op, ast.Pow) and abs(left) > 1 and abs(right) * math.log2(abs(left)) > 64:
+            raise ValueError("the power is too large")  # refused before it is computed
         try:
-            return _bounded(_BINARY[type(node.op)](left, right))
+            value = _BINARY[type(node.op)](left, right)
         except ZeroDivisionError:
             raise ValueError("division by zero") from None
+        except OverflowError:
+            raise ValueError("the number is too large") from None
+        if isinstance(value, complex):
+            raise ValueError("the result is not a real number")
+        return _bounded(value)
     raise ValueError(f"only numbers and + - * / // % ** ( ) are allowed, not {type(node).__name__}")
 
 

@@ -17,7 +17,8 @@ def load_environment(spec: EnvironmentSpec, job=None) -> Environment:
 
         return BfclEnvironment()
     if spec.type == "tools":
-        return ToolEnvironment([load_tool(name) for name in spec.tools], spec.system_prompt, spec.tool_timeout_s)
+        return ToolEnvironment([load_tool(name) for name in spec.tools], spec.system_prompt, spec.tool_timeout_s,
+                               workers=spec.concurrency)  # fmt: skip
     made = load_callable(spec.load, "environment.load")(**spec.kwargs)  # type: ignore[arg-type]
     if spec.type == "python":
         if not isinstance(made, Environment):

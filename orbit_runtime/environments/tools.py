@@ -59,13 +59,15 @@ def load_tool(name: str) -> Tool:
 class ToolEnvironment(Environment):
     """The model answers the example's prompt, calling TOOLS as often as it likes (within the episode limits)."""
 
-    def __init__(self, tools: list[Tool], system_prompt: str | None = None, timeout_s: float = 10.0) -> None:
+    def __init__(self, tools: list[Tool], system_prompt: str | None = None, timeout_s: float = 10.0, workers: int = 32) -> None:
         self.by_name = {tool.name: tool for tool in tools}
         if len(self.by_name) != len(tools):
             raise OrbitError("environment.tools: two tools have the same name")
         self.system_prompt = system_prompt
         self.timeout_s = timeout_s
-        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="tool")
+        # one worker per episode in flight. A tool that hangs keeps its thread (Python cannot kill one): the call is
+        # answered with a timeout, but a tool that can hang should bound itself (or run in a subprocess)
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tool")
 
     def tools(self, example: Example) -> list[dict]:
         return [tool.schema for tool in self.by_name.values()]

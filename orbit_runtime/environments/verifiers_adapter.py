@@ -10,6 +10,8 @@ parts and leaves its harness out:
   makes one per rollout;
 - the task's rubric (`@vf.reward` functions, `Task.score`) scores the finished conversation,
   given to it as a verifiers Trace; the score is the `environment` reward.
+Async tools and rubrics are bounded in time (environment.tool_timeout_s, SCORE_TIMEOUT_S); a
+synchronous tool runs in the episode's thread, unbounded (as verifiers itself runs it).
 Not supported: tasks whose turns come from an `Env.run()` (simulated users, games) or from a
 harness program, rewards that need a sandbox runtime, and LLM judges (they call a model endpoint).
 
@@ -32,6 +34,8 @@ from orbit_runtime.environments.tool_calls import parse_tool_calls
 from orbit_runtime.errors import OrbitError
 from orbit_runtime.observability import environment_metrics as em
 
+SCORE_TIMEOUT_S = 120.0  # one rubric scoring, one tool listing
+
 
 def _verifiers():
     try:
@@ -49,8 +53,14 @@ class _Loop:
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, name="verifiers-loop", daemon=True).start()
 
-    def run(self, coroutine, timeout_s: float | None = None):
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout_s)
+    def run(self, coroutine, timeout_s: float):
+        """The coroutine's result; TimeoutError (the coroutine cancelled) after TIMEOUT_S."""
+        future = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+        try:
+            return future.result(timeout_s)
+        except TimeoutError:
+            future.cancel()
+            raise
 
 
 class VerifiersEnvironment(Environment):
@@ -101,7 +111,7 @@ class VerifiersEnvironment(Environment):
     def _toolset_schemas(self, toolset) -> list[dict]:
         with self._schema_lock:
             if type(toolset) not in self._schemas:
-                self._schemas[type(toolset)] = self._loop.run(_list_tools(toolset))
+                self._schemas[type(toolset)] = self._loop.run(_list_tools(toolset), SCORE_TIMEOUT_S)
             return self._schemas[type(toolset)]
 
     def reset(self, example: Example) -> EpisodeState:
@@ -159,7 +169,7 @@ class VerifiersEnvironment(Environment):
         """The task's rubric on the conversation (verifiers' Task.score on a Trace of it)."""
         task = state.data["task"]
         trace = self._trace(task, state.messages, self.tools(state.example))
-        self._loop.run(task.score(trace))
+        self._loop.run(task.score(trace), SCORE_TIMEOUT_S)  # a rubric that hangs fails its episode, not the run
         state.data["rewards"] = {name: reward.score for name, reward in (trace.rewards or {}).items()}
         return float(trace.reward) if trace.reward is not None else None
 

@@ -6,7 +6,6 @@ naming it: a reward that mostly fails would otherwise train on zeros."""
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import logging
 from collections.abc import Callable
@@ -14,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orbit_runtime.config.spec import RewardSpec
+from orbit_runtime.dotted_path import load_callable
 from orbit_runtime.errors import OrbitError
 from orbit_runtime.rewards.builtin import BUILTINS
 
@@ -25,19 +25,13 @@ def load_reward_function(name: str) -> RewardFn:
     """A built-in by name, or `package.module:callable` / `package.module.callable`."""
     if name in BUILTINS:
         return BUILTINS[name]
-    module_name, sep, attr = name.partition(":")
-    if not sep:
+    path = name
+    if ":" not in name:
         module_name, _, attr = name.rpartition(".")
-    if not module_name or not attr:
+        path = f"{module_name}:{attr}" if module_name and attr else name
+    if ":" not in path:
         raise OrbitError(f"rewards.function {name!r}: not a built-in ({', '.join(BUILTINS)}) nor 'module:callable'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise OrbitError(f"rewards.function {name!r}: cannot import {module_name} ({exc})") from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise OrbitError(f"rewards.function {name!r}: {module_name} has no callable {attr!r}")
-    return fn
+    return load_callable(path, "rewards.function")
 
 
 class RewardsFailed(OrbitError):

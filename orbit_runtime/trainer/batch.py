@@ -85,14 +85,23 @@ class RolloutBatch:
             rollout_logprobs=[torch.tensor(c.logprobs) for c in self.completions],
             advantages=self.advantages,
             ref_logprobs=self.ref_logprobs,
-            loss_mask=[not t for t in self.truncated] if self.mask_truncated else None,
+            loss_mask=self.loss_mask(),
             routed_experts=[c.routed_experts for c in self.completions] if self.replay_routing else None,
             token_masks=[torch.tensor(c.token_mask, dtype=torch.bool) for c in self.completions] if self.episodes else None,
         )
 
+    def loss_mask(self) -> list[bool] | None:
+        """Which samples the loss counts: not the truncated ones under rollout.truncated mask, never an
+        episode whose environment raised. None: all of them."""
+        keep = [not t for t in self.truncated] if self.mask_truncated else [True] * len(self.completions)
+        if self.episodes is not None:
+            keep = [k and e.ending != "env_error" for k, e in zip(keep, self.episodes, strict=True)]
+        return keep if not all(keep) else None
+
     @property
     def tokens(self) -> int:
-        return sum(len(c.token_ids) for c in self.completions)
+        """Tokens the model generated (an episode's environment tokens are not counted)."""
+        return sum(sum(c.token_mask) if c.token_mask is not None else len(c.token_ids) for c in self.completions)
 
 
 class BatchBuilder:
@@ -136,7 +145,10 @@ class BatchBuilder:
         result = scorer.score([e.answer for e in episodes], [x.prompt for x in examples], [x.answer for x in examples],
                               extra={"environment_rewards": [e.environment_reward for e in episodes],
                                      "transcripts": [e.messages for e in episodes]})  # fmt: skip
-        result.total = [0.0 if e.ending == "env_error" else t for e, t in zip(episodes, result.total, strict=True)]
+        failed = [e.ending == "env_error" for e in episodes]
+        result.total = [0.0 if bad else t for bad, t in zip(failed, result.total, strict=True)]
+        result.per_function = {name: [0.0 if bad else v for bad, v in zip(failed, values, strict=True)]
+                               for name, values in result.per_function.items()}  # fmt: skip
         return result
 
     def generate(self, examples: list[Example], step: int) -> list[Completion]:

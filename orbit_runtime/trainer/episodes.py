@@ -10,13 +10,16 @@ Many episodes are in flight at once (`environment.concurrency` threads, each one
 time): vLLM batches the turns of all of them, and one episode's environment step never holds
 up another's generation. An episode ends when the environment says so, or is truncated (its
 finish_reason is "length", and `rollout.truncated` applies) after `max_turns` model turns, at
-`max_tokens`, when a turn is cut at rollout.max_tokens, or when the environment raises.
+`max_tokens`, when a turn is cut at rollout.max_tokens, or when the environment raises. An
+episode whose environment raised scores 0 and is left out of the loss (its tokens say nothing
+about the policy).
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -24,7 +27,7 @@ from dataclasses import dataclass, field
 
 from orbit_runtime.config.environment import EnvironmentSpec
 from orbit_runtime.data.datasets import Example
-from orbit_runtime.environments.base import Environment, Message
+from orbit_runtime.environments.base import Environment, EpisodeState, Message
 from orbit_runtime.environments.chat_tokens import ChatTokens
 from orbit_runtime.errors import OrbitError
 from orbit_runtime.observability import environment_metrics as em
@@ -82,28 +85,39 @@ class EpisodeRunner:
         """GROUP episodes per example, prompt-major (as single-turn groups are), SEEDS[i] seeding example i's."""
         jobs = [(example, member, seeds[i] if seeds is not None else None)
                 for i, example in enumerate(examples) for member in range(group)]  # fmt: skip
+        cancel = threading.Event()
         pool = ThreadPoolExecutor(max_workers=min(len(jobs), self.spec.concurrency), thread_name_prefix="episode")
         try:
-            futures = [pool.submit(self.episode, generate, example, member, seed) for example, member, seed in jobs]
+            futures = [pool.submit(self.episode, generate, example, member, seed, cancel) for example, member, seed in jobs]
             episodes = [f.result() for f in futures]
-        finally:  # a failed request fails the batch; do not wait for the rest (the engine may be restarting)
+        finally:  # a failed request fails the batch: the others stop at their next turn (the engine may be restarting)
+            cancel.set()
             pool.shutdown(wait=False, cancel_futures=True)
         failed = sum(e.ending == "env_error" for e in episodes)
         if failed * 2 > len(episodes):
             raise EnvironmentFailed(f"the environment raised on {failed} of {len(episodes)} episodes (see the warnings above)")
         return episodes
 
-    def episode(self, generate: GenerateTurn, example: Example, member: int, seed: int | None) -> Episode:
+    def episode(self, generate: GenerateTurn, example: Example, member: int, seed: int | None,
+                cancel: threading.Event | None = None) -> Episode:  # fmt: skip
         """One episode: alternate model turns (one request each) and environment steps."""
         env = self.environment
-        state = env.reset(example)
-        tools = env.tools(example)
-        prompt = self.chat.opening(state.messages, tools)
+        try:
+            state = env.reset(example)
+            tools = env.tools(example)
+            prompt = self.chat.opening(state.messages, tools)
+        except Exception as exc:  # noqa: BLE001 - one bad example must not stop the run
+            _environment_error("reset", example, 0, exc)
+            messages = [{"role": "user", "content": example.prompt}]
+            prompt = self.chat.opening(messages, None)  # a valid sample for the batch; env_error keeps it out of the loss
+            return self._finish(EpisodeState(example, messages), prompt, [], [], [], "", "env_error", 0, 0.0, score=False)
         ids: list[int] = []
         logprobs: list[float] = []
         mask: list[bool] = []
         answer, ending, turns, env_seconds = "", "max_turns", 0, 0.0
         while turns < self.spec.max_turns:
+            if cancel is not None and cancel.is_set():
+                raise EpisodeCancelled()
             budget = min(self.turn_max_tokens, self.spec.max_tokens - len(ids), self.max_model_len - len(prompt) - len(ids))
             if budget <= 0:
                 ending = "max_tokens"
@@ -123,11 +137,9 @@ class EpisodeRunner:
             try:
                 reply = env.step(state, message)
                 appended = [] if reply.done or turns >= self.spec.max_turns else self.chat.environment_turn(
-                    reply.messages, tools, turn.token_ids[-1])  # fmt: skip
+                    reply.messages, tools, turn.token_ids)  # fmt: skip
             except Exception as exc:  # noqa: BLE001 - an environment's bug must not stop the run
-                em.ENVIRONMENT_ERRORS.inc()
-                log.warning("environment step failed (episode of prompt %r, turn %d): %s: %s",
-                            example.prompt[:60], turns, type(exc).__name__, exc)  # fmt: skip
+                _environment_error("step", example, turns, exc)
                 ending = "env_error"
                 break
             finally:
@@ -141,25 +153,39 @@ class EpisodeRunner:
             state.messages.extend(reply.messages)
             if turns >= self.spec.max_turns:
                 break
-            if len(ids) + len(appended) >= self.spec.max_tokens:
+            total = len(ids) + len(appended)  # the next turn needs room for at least one token
+            if total >= self.spec.max_tokens or len(prompt) + total >= self.max_model_len:
                 ending = "max_tokens"
                 break
             ids += appended
             logprobs += [0.0] * len(appended)  # not the model's tokens: masked out of the loss and the mismatch
             mask += [False] * len(appended)
+        return self._finish(state, prompt, ids, logprobs, mask, answer, ending, turns, env_seconds)
+
+    def _finish(self, state: EpisodeState, prompt: list[int], ids: list[int], logprobs: list[float], mask: list[bool],
+                answer: str, ending: str, turns: int, env_seconds: float, score: bool = True) -> Episode:  # fmt: skip
+        """The episode's environment reward (its `score`), metrics, and the learner's sample."""
+        reward = None
+        if score and ending != "env_error":
+            try:
+                reward = self.environment.score(state)
+            except Exception as exc:  # noqa: BLE001
+                _environment_error("score", state.example, turns, exc)
+                ending = "env_error"
         em.EPISODES.labels(ending).inc()
         em.EPISODE_TURNS.observe(turns)
-        reward = None
-        if ending != "env_error":
-            try:
-                reward = env.score(state)
-            except Exception as exc:  # noqa: BLE001
-                em.ENVIRONMENT_ERRORS.inc()
-                log.warning("environment score failed (prompt %r): %s: %s", example.prompt[:60], type(exc).__name__, exc)
-                ending = "env_error"
         completion = Completion(prompt_ids=prompt, token_ids=ids, logprobs=logprobs,
                                 finish_reason="stop" if ending == "done" else "length", token_mask=mask)  # fmt: skip
         return Episode(completion, state.messages, answer, reward, turns, ending, env_seconds, sum(mask))
+
+
+class EpisodeCancelled(Exception):
+    """The batch failed elsewhere (a request the engine did not answer): this episode stops."""
+
+
+def _environment_error(where: str, example: Example, turn: int, exc: Exception) -> None:
+    em.ENVIRONMENT_ERRORS.inc()
+    log.warning("environment %s failed (prompt %r, turn %d): %s: %s", where, example.prompt[:60], turn, type(exc).__name__, exc)
 
 
 def episode_runner(spec, tokenizer) -> EpisodeRunner | None:

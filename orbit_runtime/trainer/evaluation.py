@@ -97,7 +97,7 @@ class Evaluator:
             per_sample = [e for e in examples for _ in range(k)]
             texts = [e.answer for e in episodes]
             transcripts = [e.messages for e in episodes]
-            scores = self.builder.score_episodes(episodes, per_sample, self.accuracy_scorer).total
+            scores = self.builder.score_episodes(episodes, per_sample, self.accuracy_scorer).per_function[self.metric.function]
             rewards = self.builder.score_episodes(episodes, per_sample, self.builder.scorer)
         else:
             prompts = [self.builder.encode_prompt(e) for e in examples]

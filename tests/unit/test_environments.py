@@ -90,11 +90,11 @@ def test_environment_turn_tokens_are_the_templates_text_for_the_new_messages(tok
     model_turn = tokenizer.encode(format_tool_call("calculator", {"expression": "12*3"}), add_special_tokens=False)
     model_turn.append(tokenizer.eos_token_id)
     tool = [{"role": "tool", "name": "calculator", "content": "36"}]
-    ids = chat.opening(opening, tools) + model_turn + chat.environment_turn(tool, tools, model_turn[-1])
+    ids = chat.opening(opening, tools) + model_turn + chat.environment_turn(tool, tools, model_turn)
     whole = tokenizer.apply_chat_template([*opening, {"role": "assistant", "content": tokenizer.decode(model_turn[:-1])}, *tool],
                                           tools=tools, add_generation_prompt=True, tokenize=False)  # fmt: skip
     assert ids == tokenizer.encode(whole, add_special_tokens=False)
-    assert tokenizer.decode(chat.environment_turn(tool, tools, model_turn[-1])) == "\n<|im_start|>tool\n36<|im_end|>\n<|im_start|>assistant\n"
+    assert tokenizer.decode(chat.environment_turn(tool, tools, model_turn)) == "\n<|im_start|>tool\n36<|im_end|>\n<|im_start|>assistant\n"
 
 
 class ScriptedGenerate:
@@ -131,8 +131,8 @@ def test_an_episode_is_the_generated_ids_plus_the_environments_with_a_mask(token
     episode = _runner(tokenizer).episode(generate, Example("What is 12*3?", "36"), 0, 7)
     first = tokenizer.encode(call, add_special_tokens=False) + [tokenizer.eos_token_id]
     second = tokenizer.encode("\\boxed{36}", add_special_tokens=False) + [tokenizer.eos_token_id]
-    env_ids = ChatTokens(tokenizer).environment_turn([{"role": "tool", "name": "calculator", "content": "36"}],
-                                                     [Tool.of(calculator).schema], first[-1])  # fmt: skip
+    # the environment's turn as the demo template writes it (after the model's <|im_end|>)
+    env_ids = tokenizer.encode("\n<|im_start|>tool\n36<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
     c = episode.completion
     assert c.token_ids == first + env_ids + second
     assert c.token_mask == [True] * len(first) + [False] * len(env_ids) + [True] * len(second)
@@ -330,3 +330,101 @@ def test_a_bfcl_job_scores_with_the_answer_check():
     assert spec.data.type == "bfcl" and [r.function for r in spec.rewards] == ["environment"]
     with pytest.raises(OrbitError, match="go together"):
         parse_job_spec({"model": {"path": "x"}, "environment": {"type": "tools", "tools": ["calculator"]}, "data": {"type": "bfcl"}})
+
+
+# ---- review fixes: templates that rewrite earlier turns, masks in the loss, limits, the spec ---
+QWEN3_LIKE = (  # as Qwen3's template: an empty think block on the assistant turn only while it is the last message
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['role'] == 'assistant' and loop.last %}{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}"
+    "{{ message['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def test_a_template_that_rewrites_the_last_assistant_turn_still_gives_the_delta(tokenizer):
+    """Qwen3 adds an empty <think> block to the last assistant message only: the conversation
+    rendered without the new messages is then not a prefix of the one with them."""
+    import copy
+
+    qwen3 = copy.deepcopy(tokenizer)
+    qwen3.chat_template = QWEN3_LIKE
+    chat = ChatTokens(qwen3)
+    tool = [{"role": "tool", "content": "36"}]
+    model_turn = qwen3.encode("\\boxed{36}", add_special_tokens=False) + [qwen3.eos_token_id]
+    assert qwen3.decode(chat.environment_turn(tool, None, model_turn)) == "\n<|im_start|>tool\n36<|im_end|>\n<|im_start|>assistant\n"
+    # a turn that stopped on another EOS id (<|endoftext|>) gets the end-of-turn marker first, as environment tokens
+    other_end = model_turn[:-1] + [qwen3.pad_token_id]
+    assert qwen3.decode(chat.environment_turn(tool, None, other_end)).startswith("<|im_end|>\n<|im_start|>tool")
+
+
+def test_the_loss_and_its_gradient_ignore_whatever_sits_at_environment_tokens():
+    from orbit_runtime.algorithms.grpo import LossConfig, LossInputs, grpo_loss
+
+    torch.manual_seed(0)
+    mask = torch.tensor([[1.0, 1.0, 0.0, 0.0, 1.0], [1.0, 0.0, 1.0, 1.0, 1.0]])
+    for level in ("token", "sequence"):
+        config = LossConfig(kl_beta=0.1, correction="tis", mismatch_level=level)
+        results = []
+        for junk in (0.0, -30.0):  # the environment tokens' values: placeholders or anything else
+            base = torch.randn(2, 5) * 0.1 - 1.0
+            noisy = torch.where(mask.bool(), base, torch.full_like(base, junk))
+            logprobs = noisy.clone().requires_grad_(True)
+            inputs = LossInputs(logprobs=logprobs, old_logprobs=noisy + 0.01, rollout_logprobs=noisy - 0.02,
+                                advantages=torch.tensor([1.0, -0.5]), mask=mask, ref_logprobs=noisy + 0.03)  # fmt: skip
+            out = grpo_loss(inputs, config)
+            out.loss.backward()
+            results.append((float(out.loss), logprobs.grad.clone()))
+            torch.manual_seed(0)
+        assert results[0][0] == pytest.approx(results[1][0]) and torch.allclose(results[0][1], results[1][1])
+        assert (results[0][1][~mask.bool()] == 0).all()
+
+
+def test_an_episode_whose_environment_raised_is_left_out_of_the_loss(tokenizer):
+    from orbit_runtime.rewards.scoring import RewardResult
+    from orbit_runtime.trainer.batch import RolloutBatch
+
+    runner = _runner(tokenizer, env=Raising(every=False))
+    episodes = runner.run(ScriptedGenerate(tokenizer, ["hi"]), [Example("bad", None), Example("good", None)], 2, None)
+    batch = RolloutBatch([0, 1], [Example("bad", None), Example("good", None)], [e.completion for e in episodes],
+                         [e.answer for e in episodes], RewardResult([0.0] * 4, {}), torch.zeros(4), None, episodes=episodes)  # fmt: skip
+    update = batch.for_update()
+    assert update.loss_mask == [False, False, True, True] and [update.trained_length(i) for i in range(4)][:2] == [0, 0]
+    assert batch.tokens == sum(e.model_tokens for e in episodes)
+
+
+def test_an_episode_stops_before_the_context_is_full(tokenizer):
+    call = format_tool_call("calculator", {"expression": "1+1"})
+    spec = EnvironmentSpec(type="tools", tools=["calculator"], max_turns=8, max_tokens=400)
+    runner = EpisodeRunner(ToolEnvironment([Tool.of(calculator)]), tokenizer, spec, turn_max_tokens=64, max_model_len=200)
+    episode = runner.episode(ScriptedGenerate(tokenizer, [call]), Example("What is 1+1?", "2"), 0, None)
+    assert episode.ending == "max_tokens" and len(episode.completion.prompt_ids) + len(episode.completion.token_ids) <= 200
+    assert episode.completion.token_mask[-1] is True  # ends on the model's turn, no dangling environment tokens
+
+
+def test_single_turn_jobs_keep_their_config_hash():
+    """A job without an environment hashes as before the section existed, so its old checkpoints resume."""
+    from orbit_runtime.config.fingerprint import training_fields
+
+    assert not any(k.startswith("environment") for k in training_fields(parse_job_spec({"model": {"path": "x"}})))
+
+
+@pytest.mark.parametrize(("job", "message"), [
+    ({"environment": {"type": "tools", "tools": ["calculator"], "max_turns": 0}}, "environment.max_turns"),
+    ({"environment": {"type": "python", "load": "nocolon"}}, "expected 'module:callable'"),
+    ({"environment": {"type": "tools", "tools": ["calculator"], "load": "m:f"}}, "load and kwargs are for"),
+    ({"environment": {"type": "bfcl", "system_prompt": "hi"}}, "system_prompt is for type tools"),
+    ({"environment": {"type": "tools", "tools": ["calculator"], "max_tokens": 600}}, "below rollout.max_model_len"),
+    ({"environment": {"type": "tools", "tools": ["calculator"]}, "rewards": [{"function": "environment"}]}, "gives no environment reward"),
+    ({"environment": {"type": "tools", "tools": ["calculator"]}, "rollout": {"use_chat_template": False}}, "use_chat_template"),
+    ({"environment": {"type": "tools", "tools": ["calculator"], "concurrency": 500}}, "environment.concurrency"),
+])  # fmt: skip
+def test_more_environment_spec_errors_name_the_field(job, message):
+    with pytest.raises(OrbitError, match=message):
+        parse_job_spec({"model": {"path": "x"}, **job})
+
+
+def test_calculator_float_powers():
+    assert calculator("2.5**2") == "6.25"
+    for bad in ("(-8)**0.5", "10.0**400"):
+        with pytest.raises(ValueError):
+            calculator(bad)
