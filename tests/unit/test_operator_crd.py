@@ -35,7 +35,8 @@ K8S_SCHEMAS = Path(kubernetes_validate.__file__).parent / "kubernetes-json-schem
 SCHEMA = crd_manifest()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
 SPEC = SCHEMA["properties"]["spec"]
 OFFLINE = jsonschema_of(SCHEMA)
-FREE_FORM = {".spec.base.modelConfig", ".spec.rewards[items].kwargs", ".spec.eval.reward.kwargs", ".spec.algorithm.max_mismatch",
+FREE_FORM = {".spec.base.modelConfig", ".spec.rewards[items].kwargs", ".spec.eval.reward.kwargs", ".spec.environment.kwargs",
+             ".spec.algorithm.max_mismatch",
              ".status", ".status.progress"}  # fmt: skip
 
 
