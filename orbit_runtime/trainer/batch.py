@@ -117,8 +117,6 @@ class BatchBuilder:
         self.episodes = episodes  # multi-turn jobs: each sample is an episode with the environment
 
     def encode_prompt(self, example: Example) -> list[int]:
-        if self.episodes is not None:
-            return self.episodes.prompt_ids(example)
         return encode_prompt(self.tokenizer, example, self.spec.rollout.use_chat_template)
 
     def run_episodes(self, examples: list[Example], group: int, temperature: float, seeds: list[int] | None,

@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from orbit_runtime.config.environment import EnvironmentSpec
 from orbit_runtime.data.datasets import Example
@@ -54,7 +54,11 @@ class Episode:
     turns: int
     ending: str  # one of environment_metrics.EPISODE_ENDINGS
     environment_seconds: float = 0.0
-    model_tokens: int = field(default=0)
+
+    @property
+    def model_tokens(self) -> int:
+        """Tokens the model generated (the environment's are not counted)."""
+        return sum(self.completion.token_mask or [])
 
 
 def turn_seed(seed: int | None, member: int, turn: int) -> int | None:
@@ -75,11 +79,6 @@ class EpisodeRunner:
         self.spec = spec
         self.turn_max_tokens = turn_max_tokens
         self.max_model_len = max_model_len
-
-    def prompt_ids(self, example: Example) -> list[int]:
-        """The opening of EXAMPLE's episodes (what a canary or an eval prompt would start from)."""
-        state = self.environment.reset(example)
-        return self.chat.opening(state.messages, self.environment.tools(example))
 
     def run(self, generate: GenerateTurn, examples: list[Example], group: int, seeds: list[int] | None) -> list[Episode]:
         """GROUP episodes per example, prompt-major (as single-turn groups are), SEEDS[i] seeding example i's."""
@@ -176,7 +175,7 @@ class EpisodeRunner:
         em.EPISODE_TURNS.observe(turns)
         completion = Completion(prompt_ids=prompt, token_ids=ids, logprobs=logprobs,
                                 finish_reason="stop" if ending == "done" else "length", token_mask=mask)  # fmt: skip
-        return Episode(completion, state.messages, answer, reward, turns, ending, env_seconds, sum(mask))
+        return Episode(completion, state.messages, answer, reward, turns, ending, env_seconds)
 
 
 class EpisodeCancelled(Exception):
