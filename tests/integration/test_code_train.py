@@ -6,13 +6,11 @@ tiny random model: a one-character completion is a valid program (a digit) about
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
-import yaml
 
 from orbit_runtime.data.code_tasks import SYNTHETIC_STUB, CodeTask
+from tests.orbit_train import train_job
 
 pytestmark = pytest.mark.vllm
 
@@ -28,12 +26,7 @@ def test_the_code_reward_reaches_the_loss_and_its_samples_are_logged(tmp_path, i
         "eval": {"every_steps": 10},
         "run": {"name": "code", "output_dir": str(tmp_path / "runs"), "log_samples": 64},
     }
-    config = tmp_path / "job.yaml"
-    config.write_text(yaml.safe_dump(job))
-    run = subprocess.run([sys.executable, "-m", "orbit_runtime.cli", "train", str(config)],
-                         capture_output=True, text=True, timeout=900)  # fmt: skip
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    run_dir = tmp_path / "runs" / "code"
+    run_dir = train_job(tmp_path, job)
     samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == 2 * 4 * 8
     for sample in samples:

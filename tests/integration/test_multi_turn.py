@@ -8,13 +8,10 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
-import sys
 import threading
 
 import pytest
 import torch
-import yaml
 
 from orbit_runtime.config import AdapterSpec
 from orbit_runtime.config.environment import EnvironmentSpec
@@ -23,6 +20,7 @@ from orbit_runtime.environments.base import Environment, EnvReply, EpisodeState
 from orbit_runtime.learner.model import load_policy
 from orbit_runtime.rollout.client import adapter_name
 from orbit_runtime.trainer.episodes import EpisodeRunner
+from tests.orbit_train import train_job
 
 from .conftest import RANK
 
@@ -132,12 +130,7 @@ def test_orbit_train_on_a_verifiers_tool_environment(tmp_path, int4_dir):
         "eval": {"every_steps": 10},
         "run": {"name": "vf", "output_dir": str(tmp_path / "runs"), "log_samples": 64},
     }
-    config = tmp_path / "job.yaml"
-    config.write_text(yaml.safe_dump(job))
-    run = subprocess.run([sys.executable, "-m", "orbit_runtime.cli", "train", str(config)],
-                         capture_output=True, text=True, timeout=900)  # fmt: skip
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    run_dir = tmp_path / "runs" / "vf"
+    run_dir = train_job(tmp_path, job)
     samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == 2 * 2 * 4
     env = VerifiersEnvironment(calc_taskset())
