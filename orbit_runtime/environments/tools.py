@@ -14,14 +14,14 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
+from typing import Any
 
 from orbit_runtime.data.datasets import Example
 from orbit_runtime.dotted_path import load_callable
 from orbit_runtime.environments.base import Environment, EnvReply, EpisodeState, Message
 from orbit_runtime.environments.calculator import calculator
-from orbit_runtime.environments.tool_calls import parse_tool_calls
+from orbit_runtime.environments.tool_calls import ToolCall, parse_tool_calls
 from orbit_runtime.errors import OrbitError
 from orbit_runtime.observability import environment_metrics
 
@@ -82,25 +82,35 @@ class ToolEnvironment(Environment):
             return EnvReply([], done=True)
         return EnvReply([self._answer(call) for call in calls], done=False)
 
-    def _answer(self, call) -> Message:
-        if call.error:
-            return _tool_message(call.name or "error", f"error: {call.error}", "malformed")
+    def _answer(self, call: ToolCall) -> Message:
         tool = self.by_name.get(call.name)
-        if tool is None:
-            return _tool_message(call.name, f"error: no tool {call.name!r}; tools: {', '.join(self.by_name)}", "unknown_tool")
-        future = self._pool.submit(tool.function, **call.arguments)
-        try:
-            result = future.result(timeout=self.timeout_s)
-        except FutureTimeout:  # the thread runs on; a tool that can hang should bound itself
-            return _tool_message(call.name, f"error: {call.name} took longer than {self.timeout_s:g}s", "timeout")
-        except TypeError as exc:
-            return _tool_message(call.name, f"error: bad arguments ({exc})", "bad_arguments")
-        except Exception as exc:  # noqa: BLE001 - a tool's failure is an answer to the model
-            return _tool_message(call.name, f"error: {exc}", "error")
-        text = result if isinstance(result, str) else json.dumps(result, default=str)
-        return _tool_message(call.name, text[:MAX_RESULT], "ok")
+        content = answer_call(call, tool.function if tool else None,
+                              lambda function, arguments: self._pool.submit(function, **arguments).result(timeout=self.timeout_s),
+                              self.timeout_s, tools_hint=f"; tools: {', '.join(self.by_name)}", limit=MAX_RESULT)  # fmt: skip
+        return {"role": "tool", "name": call.name or "error", "content": content}
 
 
-def _tool_message(name: str, content: str, status: str) -> Message:
-    environment_metrics.TOOL_CALLS.labels(name if status not in ("unknown_tool", "malformed") else "", status).inc()
-    return {"role": "tool", "name": name, "content": content}
+def answer_call(call: ToolCall, function: Callable | None, invoke: Callable[[Callable, dict], Any], timeout_s: float,
+                tools_hint: str = "", limit: int | None = None) -> str:  # fmt: skip
+    """The text answering CALL, counted in orbit_tool_calls_total by status. INVOKE(function, arguments)
+    runs it, raising TimeoutError after TIMEOUT_S (a thread keeps running: a tool that can hang should
+    bound itself). Every failure is an answer for the model, never an error of the run."""
+    if call.error:
+        return _counted("", "malformed", f"error: {call.error}")
+    if function is None:
+        return _counted("", "unknown_tool", f"error: no tool {call.name!r}{tools_hint}")
+    try:
+        result = invoke(function, call.arguments)
+    except TimeoutError:
+        return _counted(call.name, "timeout", f"error: {call.name} took longer than {timeout_s:g}s")
+    except TypeError as exc:
+        return _counted(call.name, "bad_arguments", f"error: bad arguments ({exc})")
+    except Exception as exc:  # noqa: BLE001 - a tool's failure is an answer to the model
+        return _counted(call.name, "error", f"error: {exc}")
+    text = result if isinstance(result, str) else json.dumps(result, default=str)
+    return _counted(call.name, "ok", text[:limit])
+
+
+def _counted(tool: str, status: str, content: str) -> str:
+    environment_metrics.TOOL_CALLS.labels(tool, status).inc()
+    return content

@@ -31,8 +31,8 @@ from typing import Any
 from orbit_runtime.data.datasets import Example, Splits
 from orbit_runtime.environments.base import Environment, EnvReply, EpisodeState, Message
 from orbit_runtime.environments.tool_calls import parse_tool_calls
+from orbit_runtime.environments.tools import answer_call
 from orbit_runtime.errors import OrbitError
-from orbit_runtime.observability import environment_metrics as em
 
 SCORE_TIMEOUT_S = 120.0  # one rubric scoring, one tool listing
 
@@ -142,28 +142,11 @@ class VerifiersEnvironment(Environment):
         return EnvReply(replies, done=False)
 
     def _call(self, state: EpisodeState, call) -> str:
-        if call.error:
-            em.TOOL_CALLS.labels("", "malformed").inc()
-            return f"error: {call.error}"
-        method = state.data["tools"].get(call.name)
-        if method is None:
-            em.TOOL_CALLS.labels("", "unknown_tool").inc()
-            return f"error: no tool {call.name!r}"
-        try:
-            result = method(**call.arguments)
-            if inspect.isawaitable(result):
-                result = self._loop.run(_awaited(result), self.tool_timeout_s)
-        except TypeError as exc:
-            em.TOOL_CALLS.labels(call.name, "bad_arguments").inc()
-            return f"error: bad arguments ({exc})"
-        except TimeoutError:
-            em.TOOL_CALLS.labels(call.name, "timeout").inc()
-            return f"error: {call.name} took longer than {self.tool_timeout_s:g}s"
-        except Exception as exc:  # noqa: BLE001 - the tool's failure is the model's answer
-            em.TOOL_CALLS.labels(call.name, "error").inc()
-            return f"error: {exc}"
-        em.TOOL_CALLS.labels(call.name, "ok").inc()
-        return result if isinstance(result, str) else json.dumps(result, default=str)
+        def invoke(method, arguments):
+            result = method(**arguments)
+            return self._loop.run(_awaited(result), self.tool_timeout_s) if inspect.isawaitable(result) else result
+
+        return answer_call(call, state.data["tools"].get(call.name), invoke, self.tool_timeout_s)
 
     def score(self, state: EpisodeState) -> float | None:
         """The task's rubric on the conversation (verifiers' Task.score on a Trace of it)."""
