@@ -2,7 +2,9 @@
 
 On vLLM's CPU build it registers `CpuInt4Qwen3MoeForCausalLM` for the `Qwen3MoeForCausalLM`
 architecture and `CpuInt4DeepseekV3ForCausalLM` for `DeepseekV3ForCausalLM`: the stock models
-cannot run INT4 experts or MoE LoRA there (see `vllm_cpu_moe.py`, `vllm_cpu_deepseek.py`). On GPU it does nothing, so vLLM's own fused MoE model serves.
+cannot run INT4 experts or MoE LoRA there (see `vllm_cpu_moe.py`, `vllm_cpu_deepseek.py`), and
+it gives the CPU LoRA ops a single-adapter fast path (`vllm_cpu_lora.py`; ORBIT_VLLM_LORA_FAST_PATH=0
+turns it off). On GPU it does nothing, so vLLM's own fused MoE model and LoRA kernels serve.
 Set ORBIT_VLLM_CPU_MOE=0 to keep vLLM's model on CPU too (e.g. on a CPU with AMX).
 With VLLM_CPU_INT4_W4A8=0 (colocated engines) it also asks Linux for the AMX state. With
 ORBIT_RETURN_ROUTED_EXPERTS=1 (routing replay) it makes the CPU build return the experts its
@@ -35,6 +37,10 @@ def register() -> None:
         from orbit_runtime.int4.vllm_cpu_kernel import enable_amx
 
         enable_amx()
+    from orbit_runtime.rollout import vllm_cpu_lora
+
+    if vllm_cpu_lora.enabled():
+        vllm_cpu_lora.install()  # one adapter for the whole batch: two GEMMs, not a per-token gather
     if os.environ.get("ORBIT_VLLM_CPU_MOE", "1") == "0":
         return
     from vllm import ModelRegistry
