@@ -40,6 +40,7 @@ sampled tokens, and its scale does not jump when the mismatch rejects many token
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -83,6 +84,16 @@ def k3_kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, clamp: flo
     return kl if clamp is None else kl.clamp(-clamp, clamp)
 
 
+def _log_ratio(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, level: MismatchLevel, real: torch.Tensor) -> torch.Tensor:
+    """log rho per token: learner (before the update) minus rollout, or at LEVEL sequence each sequence's sum on all its tokens."""
+    log_ratio = torch.where(real, old_logprobs.detach() - rollout_logprobs.detach(), 0.0)
+    if level == "sequence":
+        return log_ratio.sum(dim=-1, keepdim=True).expand_as(log_ratio)
+    if level != "token":
+        raise ValueError(f"unknown mismatch level {level!r}")
+    return log_ratio
+
+
 def _mismatch(
     old_logprobs: torch.Tensor,
     rollout_logprobs: torch.Tensor,
@@ -93,11 +104,7 @@ def _mismatch(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights, rejected): see `mismatch_weights`; REJECTED is True where MIS zeroed a weight."""
     real = torch.ones_like(old_logprobs, dtype=torch.bool) if mask is None else mask.bool()
-    log_ratio = torch.where(real, old_logprobs.detach() - rollout_logprobs.detach(), 0.0)
-    if level == "sequence":
-        log_ratio = log_ratio.sum(dim=-1, keepdim=True).expand_as(log_ratio)
-    elif level != "token":
-        raise ValueError(f"unknown mismatch level {level!r}")
+    log_ratio = _log_ratio(old_logprobs, rollout_logprobs, level, real)
     no_rejection = torch.zeros_like(real)
     if mode == "none":
         return torch.ones_like(log_ratio), no_rejection
@@ -228,6 +235,7 @@ class LossOutputs:
     is_weight_mean: float  # mean mismatch weight (none: 1; tis: min(rho, C); mis: rho, 0 where rejected)
     dual_clip_fraction: float = 0.0  # share of tokens (A < 0) whose loss the dual clip capped
     mis_rejected_fraction: float = 0.0  # share of tokens MIS rejected (weight 0)
+    is_over_cap_fraction: float = 0.0  # share of tokens whose rho exceeds is_cap, whatever the correction (TIS truncates them)
 
 
 def grpo_loss(inputs: LossInputs, config: LossConfig) -> LossOutputs:
@@ -288,4 +296,5 @@ def grpo_loss(inputs: LossInputs, config: LossConfig) -> LossOutputs:
         is_weight_mean=float(torch.where(real, weights, 0.0).sum() / tokens),
         dual_clip_fraction=share(dual_capped),
         mis_rejected_fraction=share(rejected),
+        is_over_cap_fraction=share(_log_ratio(old_logprobs, inputs.rollout_logprobs, config.mismatch_level, real) > math.log(config.is_cap)),
     )

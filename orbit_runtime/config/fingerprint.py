@@ -22,7 +22,7 @@ from orbit_runtime.config.spec import JobSpec
 
 EXCLUDED = (
     "checkpoint", "eval", "metrics", "sync", "run.output_dir", "run.log_samples", "schedule.steps",
-    "rollout.max_restarts", "rollout.kv_cache_gib", "reference.max_restarts", "learner",
+    "rollout.max_restarts", "rollout.kv_cache_gib", "reference.max_restarts", "reference.report_kl", "learner",
     "rollout.gpu_memory_utilization", "rollout.tensor_parallel_size", "rollout.enable_prefix_caching", "rollout.max_num_seqs",
     "rollout.enforce_eager", "algorithm.max_mismatch", "algorithm.max_mismatch_steps", "placement",
 )  # fmt: skip

@@ -218,6 +218,11 @@ class ReferenceSpec(Section):
         "shared", description="shared: the learner's own base with the adapter disabled; server: a separate HTTP process."
     )
     max_restarts: int = Field(2, ge=0, description="server mode: times a dead reference server is restarted before the run stops.")
+    report_kl: bool = Field(
+        False,
+        description="Compute the reference log-probs every step and report the KL to the reference (the step's `kl`) even "
+        "when algorithm.kl_beta is 0, as a drift monitor: it costs one reference forward per step, and changes no update.",
+    )
 
 
 class ScheduleSpec(Section):

@@ -93,6 +93,7 @@ class UpdateResult:
     is_weight_mean: float
     dual_clip_fraction: float
     mis_rejected_fraction: float
+    is_over_cap_fraction: float
     grad_norm: float  # before clipping
     mismatch: MismatchStats  # learner (before the update) vs rollout, same tokens
     optimizer_steps: int
@@ -103,7 +104,7 @@ class UpdateResult:
 
 
 STAT_FIELDS = ("loss", "policy_loss", "kl", "clip_fraction", "is_weight_mean", "dual_clip_fraction",
-               "mis_rejected_fraction", "grad_norm")  # fmt: skip
+               "mis_rejected_fraction", "is_over_cap_fraction", "grad_norm")  # grad_norm last: per optimizer step  # fmt: skip
 
 
 def policy_update(

@@ -146,6 +146,11 @@ LEARNER_CLIP_FRACTION = Gauge(
 LEARNER_IS_WEIGHT = Gauge(
     "orbit_learner_mismatch_is_weight_mean", "Mean TIS/MIS weight (1 = no correction), last step.", registry=LEARNER_REGISTRY
 )
+LEARNER_IS_OVER_CAP = Gauge(
+    "orbit_learner_mismatch_over_cap_fraction",
+    "Share of the last step's tokens whose train-rollout importance ratio exceeds algorithm.is_cap (what TIS truncates).",
+    registry=LEARNER_REGISTRY,
+)
 LEARNER_LOSS = Gauge("orbit_learner_loss", "GRPO loss of the last step.", registry=LEARNER_REGISTRY)
 LEARNER_GRAD_NORM = Gauge("orbit_learner_grad_norm", "Adapter gradient norm before clipping.", registry=LEARNER_REGISTRY)
 LEARNER_LR = Gauge("orbit_learner_learning_rate", "Learning rate used by the last step.", registry=LEARNER_REGISTRY)
@@ -209,6 +214,12 @@ ROLE_REQUESTS_RESENT = Counter(
     "orbit_learner_role_requests_resent", "Requests a role server (rollout, reference) closed without an answer, sent again once.",
     ["role"], registry=LEARNER_REGISTRY,
 )
+ROLE_RECOVERY_DURATION = Histogram(
+    "orbit_learner_role_recovery_seconds",
+    "A dead role server's recovery, by phase: restart (a new server started, or the external one answering again) and "
+    "resync (the new server brought back to the run's state: the served adapter loaded and verified).",
+    ["role", "phase"], buckets=STEP_BUCKETS, registry=LEARNER_REGISTRY,
+)  # fmt: skip
 REFERENCE_RESTARTS = Counter(
     "orbit_learner_reference_restarts_total", "Times the reference server was restarted (server mode).", registry=LEARNER_REGISTRY
 )
@@ -344,6 +355,7 @@ def observe_step(record: dict, per_sample_rewards: list[float]) -> None:
             LEARNER_ROUTING_AGREEMENT.labels(layer).set(agreement)
     LEARNER_CLIP_FRACTION.set(record["clip_fraction"])
     LEARNER_IS_WEIGHT.set(record["is_weight_mean"])
+    LEARNER_IS_OVER_CAP.set(record["is_over_cap_fraction"])
     LEARNER_LOSS.set(record["loss"])
     LEARNER_GRAD_NORM.set(record["grad_norm"])
     LEARNER_LR.set(record["learning_rate"])

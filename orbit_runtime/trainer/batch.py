@@ -190,7 +190,7 @@ class BatchBuilder:
 
         t = time.monotonic()
         ref = None
-        if spec.algorithm.kl_beta > 0:
+        if spec.algorithm.kl_beta > 0 or spec.reference.report_kl:
             pairs = [(c.prompt_ids, c.token_ids) for c in completions]
             ref = self.reference.logprobs(pairs, spec.rollout.temperature)
         timings["reference_s"] = time.monotonic() - t

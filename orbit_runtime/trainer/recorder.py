@@ -123,6 +123,7 @@ def step_row(step: int, adapter_version: int, batch: RolloutBatch, update: Updat
         "loss": update.loss, "policy_loss": update.policy_loss, "kl": update.kl,
         "clip_fraction": update.clip_fraction, "dual_clip_fraction": update.dual_clip_fraction,
         "is_weight_mean": update.is_weight_mean, "mis_rejected_fraction": update.mis_rejected_fraction,
+        "is_over_cap_fraction": update.is_over_cap_fraction,
         "grad_norm": update.grad_norm, "learning_rate": lr, "optimizer_steps": update.optimizer_steps,
         "micro_batches": update.micro_batches, **memory,
         "mismatch_mean_abs": mismatch.mean_abs_dlogp, "mismatch_max_abs": mismatch.max_abs_dlogp,

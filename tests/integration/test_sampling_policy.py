@@ -74,3 +74,29 @@ def test_duplicate_prompts_in_a_batch_get_distinct_groups_reproducibly(rollout_c
     again = builder.generate([same, same], step=7)
     assert [c.token_ids for c in again] == [c.token_ids for c in first]  # reproducible (resume redoes a step exactly)
     assert [c.token_ids for c in builder.generate([same, same], step=8)] != [c.token_ids for c in first]
+
+
+@pytest.mark.parametrize("report_kl", [False, True])
+def test_report_kl_scores_the_reference_at_kl_beta_zero(rollout_client, int4_dir, peaked, tmp_path, report_kl):
+    """reference.report_kl: the batch carries the reference's log-probs (the base, adapter off) though
+    kl_beta is 0 (grpo_loss then reports the KL without adding it: test_grpo); without it, no reference
+    forward runs."""
+    from orbit_runtime.trainer.roles import ReferenceRole
+
+    policy, name = peaked
+    spec = parse_job_spec({"model": {"path": str(int4_dir)}, "rollout": {"group_size": 2, "max_tokens": 8},
+                           "reference": {"report_kl": report_kl}})  # fmt: skip
+    assert spec.algorithm.kl_beta == 0
+    reference = ReferenceRole("shared", policy, int4_dir, "fp16", tmp_path / "reference.log", 0)
+    direct = DirectRollout(rollout_client)
+    direct.served_name = name
+    builder = BatchBuilder(spec, AutoTokenizer.from_pretrained(int4_dir), RewardScorer(spec.rewards), direct, reference)
+    timings: dict[str, float] = {}
+    batch = builder.build([0], [Example(prompt="What is 2+3?", answer="5")], step=1, timings=timings)
+    if not report_kl:
+        assert batch.ref_logprobs is None
+        return
+    assert [len(r) for r in batch.ref_logprobs] == [len(c.token_ids) for c in batch.completions]
+    # the reference is the base, not the served (peaked) adapter: its log-probs differ from the rollout's
+    rollout = [torch.tensor(c.logprobs) for c in batch.completions]
+    assert measure_mismatch(batch.ref_logprobs, rollout).mean_abs_dlogp > 0.05

@@ -241,6 +241,37 @@ def test_mis_rejected_tokens_still_count_in_the_denominator():
     assert out.mis_rejected_fraction == pytest.approx(0.5)
 
 
+def test_kl_at_beta_zero_is_reported_and_leaves_the_loss_alone():
+    """reference.report_kl: reference log-probs at kl_beta 0 give the step's KL, and the same loss and gradient."""
+    ref = torch.tensor([[-1.0, -2.5]])
+    losses, grads = [], []
+    for with_ref in (False, True):
+        logp = torch.tensor([[-1.2, -2.0]], requires_grad=True)
+        inputs = LossInputs(logp, logp.detach(), logp.detach(), torch.tensor([1.0]), torch.ones(1, 2),
+                            ref_logprobs=ref if with_ref else None)  # fmt: skip
+        out = grpo_loss(inputs, LossConfig(kl_beta=0.0))
+        out.loss.backward()
+        losses.append(out.loss.item())
+        grads.append(logp.grad.clone())
+        expected_kl = float(k3_kl_penalty(logp.detach(), ref).mean()) if with_ref else 0.0
+        assert out.kl == pytest.approx(expected_kl) and (out.kl > 0) == with_ref
+    assert losses[0] == losses[1] and torch.equal(grads[0], grads[1])
+
+
+def test_over_cap_fraction_counts_ratios_above_the_cap_under_every_correction():
+    """is_over_cap_fraction: what TIS truncates (and MIS rejects), measured with no correction too,
+    over the real tokens only; at the sequence level a sequence's product ratio is its tokens'."""
+    logp = torch.zeros(2, 3)
+    rollout = -torch.log(torch.tensor([[1.5, 4.0, 3.0], [1.5, 1.5, 9.0]]))  # token ratios; [1, 2] is padding
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    inputs = LossInputs(logp, torch.zeros(2, 3), rollout, torch.tensor([1.0, -1.0]), mask)
+    for correction in ("none", "tis", "mis"):
+        out = grpo_loss(inputs, LossConfig(correction=correction, is_cap=2.0))
+        assert out.is_over_cap_fraction == pytest.approx(2 / 5), correction  # 4.0 and 3.0; the padded 9.0 does not count
+    seq = grpo_loss(inputs, LossConfig(correction="none", is_cap=2.0, mismatch_level="sequence"))
+    assert seq.is_over_cap_fraction == pytest.approx(1.0)  # products 18 and 2.25: both sequences, all 5 tokens
+
+
 def test_clip_fraction_counts_only_tokens_where_the_clipped_term_wins():
     # clip range [0.8, 1.28]; the min picks the clipped term only where it is strictly smaller
     logr = torch.log(torch.tensor([[1.6, 0.5, 1.6, 0.5, 1.6, 5.0]]))

@@ -44,7 +44,7 @@ def _step_record(step: int) -> dict:
         "time": 1000.0 + step, "step": step, "step_seconds": 2.5, "generate_s": 1.0, "train_s": 1.2, "sync_s": 0.2,
         "samples": 16, "tokens": 96, "reward_mean": 0.25, "reward_std": 0.4, "reward_errors": 1, "kl": 0.01,
         "mismatch_mean_abs": 0.002, "mismatch_max_abs": 0.03, "mismatch_k3_kl": 1e-5, "clip_fraction": 0.1,
-        "is_weight_mean": 0.99, "loss": -0.1, "grad_norm": 0.7, "learning_rate": 1e-4, "adapter_version": step,
+        "is_weight_mean": 0.99, "is_over_cap_fraction": 0.02, "loss": -0.1, "grad_norm": 0.7, "learning_rate": 1e-4, "adapter_version": step,
         "adapter_bytes": 1000, "sync_seconds": 0.2, "canary_mean_abs_dlogp": 1e-4,
         "canary_decode_mean_abs_dlogp": 2e-3,
     }  # fmt: skip
@@ -81,6 +81,7 @@ def test_observe_step_and_checkpoint_reach_the_exposition():
     assert value("orbit_sync_canary_mean_abs_logprob", path="prefill") == 1e-4
     assert value("orbit_sync_canary_mean_abs_logprob", path="decode") == 2e-3
     assert value("orbit_learner_mismatch_mean_abs_logprob") == 0.002
+    assert value("orbit_learner_mismatch_over_cap_fraction") == 0.02
     assert value("orbit_checkpoint_last_step") == 7 and value("orbit_checkpoint_size_bytes") == 4096
     assert value("orbit_checkpoint_last_success_timestamp_seconds") == 1234.0
     assert delta("orbit_checkpoint_failures", "_total") == 1

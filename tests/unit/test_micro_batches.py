@@ -91,7 +91,7 @@ def test_micro_batched_loss_and_gradients_equal_one_batch(int4_dir, name):
     assert [r.micro_batches for r in results] == [1, 6, 3]
     for result, grad in zip(results[1:], grads[1:], strict=True):
         for field in ("loss", "policy_loss", "kl", "clip_fraction", "is_weight_mean", "mis_rejected_fraction",
-                      "dual_clip_fraction", "grad_norm"):  # fmt: skip
+                      "is_over_cap_fraction", "dual_clip_fraction", "grad_norm"):  # fmt: skip
             assert getattr(result, field) == pytest.approx(getattr(results[0], field), rel=1e-5, abs=1e-7), field
         assert result.mismatch.mean_abs_dlogp == pytest.approx(results[0].mismatch.mean_abs_dlogp, rel=1e-5)
         for key in grad:  # fp32 rounding of differently shaped sums, relative to the tensor's scale
