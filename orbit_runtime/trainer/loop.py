@@ -40,6 +40,7 @@ from orbit_runtime.learner.model import Policy, load_policy, parse_dtype
 from orbit_runtime.learner.update import UpdateResult, policy_update
 from orbit_runtime.observability import metrics
 from orbit_runtime.observability.peak_memory import PeakMemory
+from orbit_runtime.observability.process_age import process_age_seconds
 from orbit_runtime.observability.process_memory import servers_pss
 from orbit_runtime.observability.sandbox_metrics import take_step_counts
 from orbit_runtime.observability.server import MetricsServer
@@ -92,6 +93,8 @@ class Trainer:
                  external: ExternalRoles | None = None) -> None:  # fmt: skip
         from transformers import AutoTokenizer
 
+        # where a (re)start's seconds go, reported with the first step after a resume (benchmarks/recovery.py)
+        self.startup_seconds = {"process_start_to_init": process_age_seconds()}
         self.spec, self.console = spec, console
         external = external or ExternalRoles()
         self.paths = RunPaths(Path(spec.run.output_dir) / spec.run.name, external.adapters_dir).create()
@@ -121,7 +124,9 @@ class Trainer:
                                    spec.sync.tolerance, spec.sync.retries, spec.rollout.max_restarts,
                                    external.rollout_url, external.wait_s, decode)  # fmt: skip
         self.shared_base: ColocatedBase | None = None
+        loading = time.monotonic()
         self.policy = self._load_policy()
+        self.startup_seconds["base_load"] = time.monotonic() - loading
         self.policy.set_gradient_checkpointing(spec.learner.gradient_checkpointing)
         self.peak_memory = PeakMemory(self.device)
         self.optimizer = torch.optim.AdamW(
@@ -251,8 +256,11 @@ class Trainer:
 
     # ---- roles ---------------------------------------------------------------------------
     def start_roles(self) -> None:
+        started = time.monotonic()
         if not self.rollout.started:  # colocated: started with the policy
             self.rollout.start()
+        self.startup_seconds["rollout_start"] = time.monotonic() - started  # vLLM's start, or reaching a running one
+        started = time.monotonic()
         floor = self.rollout.calibrate(self.policy, self.spec.model.dtype)
         tolerance = self.rollout.sync.tolerance
         self._say(f"canary noise floor {floor:.2e} mean |dlogp| ({self.spec.model.dtype}, base model on both engines); "
@@ -260,6 +268,7 @@ class Trainer:
         if self.state.adapter_version > 0:  # resumed: serve the checkpoint's adapter version again
             source, _ = self._adapter_source(self.state.adapter_version)
             self.rollout.publish(self.policy, self.state.adapter_version, source)
+        self.startup_seconds["resync"] = time.monotonic() - started  # the canary's noise floor and the adapter served again
         self.reference.start()
         metrics.ROLLOUT_UP.set(1)
         self.rollout.watch_health(self._probe_stop)
@@ -464,10 +473,8 @@ class Trainer:
         """Between two steps: resume report, checkpoint, evaluation; then honour a pending stop."""
         state = self.state
         if self._first_step_report is not None:
-            import psutil
-
-            report = {**self._first_step_report, "step": state.step,
-                      "seconds_to_first_step": time.time() - psutil.Process().create_time()}  # fmt: skip
+            report = {**self._first_step_report, "step": state.step, "seconds_to_first_step": process_age_seconds(),
+                      "startup_seconds": self.startup_seconds, "first_step_seconds": state.steps[-1]["step_seconds"]}  # fmt: skip
             self._first_step_report = None
             self.recorder.record(report)
             self._say(f"resumed at step {report['from_step']}: first step done {report['seconds_to_first_step']:.1f}s after start "

@@ -128,17 +128,23 @@ class SupervisedRole:
     def _restart(self, reason: Exception) -> None:
         self._count_restart(reason)
         log.warning("%s server is gone (%s); restarting (%d/%d)", self.role, reason, self.restarts, self.max_restarts)
-        self.stop()
-        self.start()
-        self._after_restart()
+        self._recover()
 
     def _reconnect(self, reason: Exception) -> None:
         self._count_restart(reason)
         log.warning("%s at %s is not answering (%s); waiting for it to come back (%d/%d)", self.role, self.url, reason,
                     self.restarts, self.max_restarts)  # fmt: skip
+        self._recover()  # a fresh client (the new server has none of the old one's adapters), once it answers
+
+    def _recover(self) -> None:
+        """A new server (or the external one back), then the run's state on it; each phase timed."""
+        started = time.monotonic()
         self.stop()
-        self.start()  # a fresh client (the new server has none of the old one's adapters), once it answers
+        self.start()
+        resync = time.monotonic()
         self._after_restart()
+        metrics.ROLE_RECOVERY_DURATION.labels(self.role, "restart").observe(resync - started)
+        metrics.ROLE_RECOVERY_DURATION.labels(self.role, "resync").observe(time.monotonic() - resync)
 
     def supervised(self, fn: Callable[[], T]) -> T:
         """Run FN, restarting (or waiting for) a dead server and retrying. A request the server closed

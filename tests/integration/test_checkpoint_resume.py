@@ -112,6 +112,11 @@ def test_kill_9_then_resume_continues_exactly(straight_run, tmp_path, int4_dir, 
     _assert_same_as_straight_run(straight_run, run, uri, tmp_path, env)
     resume_rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"resume"' in line]
     assert resume_rows and resume_rows[0]["from_step"] == 2 and resume_rows[0]["seconds_to_first_step"] > 0
+    # where the restart's seconds went (benchmarks/recovery.py splits them): each phase measured, none more than the whole
+    phases = resume_rows[0]["startup_seconds"]
+    assert set(phases) == {"process_start_to_init", "base_load", "rollout_start", "resync"}, phases
+    parts = [*phases.values(), resume_rows[0]["restore_seconds"], resume_rows[0]["first_step_seconds"]]
+    assert all(v > 0 for v in parts) and sum(parts) <= resume_rows[0]["seconds_to_first_step"], resume_rows[0]
 
 
 def _assert_same_as_straight_run(straight_run: dict, run: Path, uri: str, tmp_path: Path, env: dict) -> None:

@@ -2,8 +2,10 @@
 idle connection just as the learner sends on it) does not fail the run: the request is sent again
 once. A real HTTP server on loopback does the dropping."""
 
+import socket
 import socketserver
 import threading
+import time
 
 import httpx
 import pytest
@@ -55,3 +57,74 @@ def test_a_request_closed_without_an_answer_is_sent_again_once(server):
             role.supervised(lambda: client.get(server + "/v1/completions").json())
     finally:
         _DropFirst.drops = 1
+
+
+class _Ok(socketserver.BaseRequestHandler):
+    def handle(self) -> None:
+        self.request.recv(65536)
+        body = b'{"ok": true}'
+        self.request.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+
+
+class _Returning(SupervisedRole):
+    """An external role (the pod's reference container) reached over loopback; restoring its state takes a while."""
+
+    role = "reference"
+
+    def __init__(self, url: str) -> None:
+        super().__init__(max_restarts=1, restarts_metric=metrics.REFERENCE_RESTARTS, url=url, wait_s=30.0)
+        self.resynced = False
+
+    def healthy(self) -> bool:
+        try:
+            return httpx.get(self.url + "/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def start(self) -> None:
+        self.wait_until_up()
+
+    def stop(self) -> None:
+        pass
+
+    def _after_restart(self) -> None:
+        time.sleep(0.2)
+        self.resynced = True
+
+
+def test_a_role_recovery_is_timed_by_phase():
+    """orbit_learner_role_recovery_seconds{role, phase}: how long the server took to come back, and the resync after.
+    The server is down when the request is made and starts listening on its port 1.2 s later."""
+
+    def observed(phase: str) -> tuple[float, float]:
+        samples = {s.name: s.value for s in metrics.ROLE_RECOVERY_DURATION.collect()[0].samples
+                   if s.labels.get("phase") == phase and s.labels.get("role") == "reference"}  # fmt: skip
+        return samples.get("orbit_learner_role_recovery_seconds_count", 0.0), samples.get("orbit_learner_role_recovery_seconds_sum", 0.0)
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    servers: list[socketserver.ThreadingTCPServer] = []
+
+    def come_back() -> None:
+        time.sleep(1.2)
+        srv = socketserver.ThreadingTCPServer(("127.0.0.1", port), _Ok)
+        servers.append(srv)
+        srv.serve_forever()
+
+    (restarts, restart_s), (resyncs, resync_s) = observed("restart"), observed("resync")
+    role = _Returning(url)
+    threading.Thread(target=come_back, daemon=True).start()
+    try:
+        with httpx.Client() as client:
+            assert role.supervised(lambda: client.get(url + "/v1/completions").json()) == {"ok": True}
+    finally:
+        for srv in servers:
+            srv.shutdown()
+            srv.server_close()
+    assert role.resynced and role.restarts == 1
+    (restarts2, restart_s2), (resyncs2, resync_s2) = observed("restart"), observed("resync")
+    assert (restarts2, resyncs2) == (restarts + 1, resyncs + 1)
+    assert restart_s2 - restart_s >= 1.0  # waited for the server to answer again (~1.2 s, polled each second)
+    assert 0.2 <= resync_s2 - resync_s < 1.0
