@@ -24,7 +24,7 @@ PIP_FILTER := sed '/is ignored: it is neither a file nor a directory/d'
 # root needs no sudo (CI); elsewhere apt-get runs through sudo
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: help install lock images test-tools test test-fast demo demo-moe demo-calculator bench clean
+.PHONY: help install lock images test-tools test test-fast demo demo-moe demo-calculator bench bench-table clean
 
 help:
 	@echo "make test   - set up .venv and run the test suite (real vLLM CPU server included)"
@@ -32,6 +32,7 @@ help:
 	@echo "make demo-moe - the same on a tiny Qwen3-MoE (examples/quickstart-moe.yaml)"
 	@echo "make demo-calculator - multi-turn tool calling: the demo model learns to use a calculator (examples/calculator.yaml)"
 	@echo "make bench  - run every CPU benchmark (mismatch, memory) into bench-out/"
+	@echo "make bench-table - rewrite the README's headline table from benchmarks/results/"
 	@echo "make lock   - re-resolve pyproject.toml from scratch and rewrite constraints.txt"
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
@@ -111,6 +112,10 @@ bench: install
 	$(PY) benchmarks/memory.py --json bench-out/memory.json
 	$(PY) -m pip install -q '.[bench]' 2>&1 | $(PIP_FILTER)
 	$(PY) benchmarks/vs_trl.py --json bench-out/vs_trl.json
+
+# The README's headline table, from the committed result files (tests/unit/test_readme_table.py checks it)
+bench-table:
+	$(PYTHON) benchmarks/readme_table.py --write README.md
 
 # The operator and runtime images (needs docker; not part of `make test`). The version is
 # pyproject.toml's: the chart's default image references (appVersion) name the same one.
