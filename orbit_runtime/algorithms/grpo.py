@@ -101,10 +101,15 @@ def _mismatch(
     cap: float,
     level: MismatchLevel,
     mask: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights, rejected): see `mismatch_weights`; REJECTED is True where MIS zeroed a weight."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(weights, rejected, log rho): see `mismatch_weights`; REJECTED is True where MIS zeroed a weight."""
     real = torch.ones_like(old_logprobs, dtype=torch.bool) if mask is None else mask.bool()
     log_ratio = _log_ratio(old_logprobs, rollout_logprobs, level, real)
+    return (*_correction(log_ratio, mode, cap, real), log_ratio)
+
+
+def _correction(log_ratio: torch.Tensor, mode: MismatchCorrection, cap: float, real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, rejected) for the per-token LOG_RATIO under MODE."""
     no_rejection = torch.zeros_like(real)
     if mode == "none":
         return torch.ones_like(log_ratio), no_rejection
@@ -264,7 +269,7 @@ def grpo_loss(inputs: LossInputs, config: LossConfig) -> LossOutputs:
         floor = config.dual_clip * advantages
         dual_capped = (advantages < 0) & (objective < floor)
         objective = torch.where(dual_capped, floor, objective)
-    weights, rejected = _mismatch(
+    weights, rejected, log_ratio = _mismatch(
         old_logprobs, clean(inputs.rollout_logprobs.detach()), config.correction, config.is_cap, config.mismatch_level, real
     )
     per_token = -objective * weights
@@ -296,5 +301,5 @@ def grpo_loss(inputs: LossInputs, config: LossConfig) -> LossOutputs:
         is_weight_mean=float(torch.where(real, weights, 0.0).sum() / tokens),
         dual_clip_fraction=share(dual_capped),
         mis_rejected_fraction=share(rejected),
-        is_over_cap_fraction=share(_log_ratio(old_logprobs, inputs.rollout_logprobs, config.mismatch_level, real) > math.log(config.is_cap)),
+        is_over_cap_fraction=share(log_ratio > math.log(config.is_cap)),
     )
