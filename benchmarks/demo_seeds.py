@@ -26,6 +26,7 @@ from pathlib import Path
 
 import yaml
 from benchmark_output import emit_json
+from quickstart_base import build_quickstart_base
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,8 +43,7 @@ def main() -> None:
     runs = []
     with tempfile.TemporaryDirectory(prefix="orbit-demo-seeds-") as tmp:
         work = Path(tmp)
-        subprocess.run([*orbit, "demo-model", str(work / "base"), "--warmup-steps", "400"], check=True, capture_output=True)
-        subprocess.run([*orbit, "quantize", str(work / "base"), str(work / "base-int4")], check=True, capture_output=True)
+        build_quickstart_base(work, quiet=True)
         job = yaml.safe_load((ROOT / "examples" / "quickstart.yaml").read_text())
         for key, value in overrides.items():
             _set_field(job, key, value)

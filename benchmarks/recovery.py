@@ -32,7 +32,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -43,26 +42,15 @@ from pathlib import Path
 import httpx
 import yaml
 from benchmark_output import emit_json
+from quickstart_base import build_quickstart_base
+
+from orbit_runtime.processes import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECKPOINT_EVERY = 2
 KILL_AFTER_STEP = 5  # the step after the step-4 checkpoint
 STEPS = 7
 ORBIT = str(Path(sys.executable).with_name("orbit"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def build_base(work: Path) -> Path:
-    int4 = work / "base-int4"
-    if not (int4 / "config.json").exists():
-        subprocess.run([ORBIT, "demo-model", str(work / "base"), "--warmup-steps", "400", "--overwrite"], check=True)
-        subprocess.run([ORBIT, "quantize", str(work / "base"), str(int4), "--overwrite"], check=True)
-    return int4
 
 
 def write_job(int4: Path, run_root: Path, metrics_port: int | None) -> Path:
@@ -259,7 +247,7 @@ def main() -> None:
     result: dict = {"config": "examples/quickstart.yaml", "checkpoint_every_steps": CHECKPOINT_EVERY,
                     "killed_after_step": KILL_AFTER_STEP, "failures": {}}  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="orbit-recovery-") as tmp:
-        int4 = args.base or build_base(Path(tmp))
+        int4 = args.base or build_quickstart_base(Path(tmp))[1]
         for failure in args.failures:
             runs = []
             for i in range(args.runs):

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import yaml
 from benchmark_output import emit_json
+from quickstart_base import build_quickstart_base
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "examples" / "quickstart.yaml"
@@ -48,16 +49,6 @@ CORRECTIONS = ("tis", "none")
 SPIKE_FACTOR = 3.0
 STEP_FIELDS = ("reward_mean", "reward_std", "kl", "mismatch_mean_abs", "mismatch_max_abs", "mismatch_k3_kl",
                "is_weight_mean", "is_over_cap_fraction", "grad_norm", "clip_fraction", "step_seconds")  # fmt: skip
-
-
-def build_base(work: Path) -> tuple[Path, Path]:
-    """The quickstart's base as `make demo` builds it: the warmed-up 16-bit model and its INT4 copy (built once)."""
-    dense, int4 = work / "base", work / "base-int4"
-    if not (int4 / "config.json").exists():
-        orbit = str(Path(sys.executable).with_name("orbit"))
-        subprocess.run([orbit, "demo-model", str(dense), "--warmup-steps", "400", "--overwrite"], check=True)
-        subprocess.run([orbit, "quantize", str(dense), str(int4), "--overwrite"], check=True)
-    return dense, int4
 
 
 def run_name(scheme: str, correction: str, seed: int) -> str:
@@ -180,7 +171,7 @@ def main() -> None:
         return
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.summary_only:
-        build_base(args.work)
+        build_quickstart_base(args.work)
         for seed in args.seeds:  # seed-major: a partial study still compares every scheme on the same seeds
             for scheme in args.schemes:
                 for correction in args.corrections:

@@ -2,7 +2,6 @@
 idle connection just as the learner sends on it) does not fail the run: the request is sent again
 once. A real HTTP server on loopback does the dropping."""
 
-import socket
 import socketserver
 import threading
 import time
@@ -11,6 +10,7 @@ import httpx
 import pytest
 
 from orbit_runtime.observability import metrics
+from orbit_runtime.processes import free_port
 from orbit_runtime.trainer.roles import SupervisedRole
 
 
@@ -101,9 +101,7 @@ def test_a_role_recovery_is_timed_by_phase():
                    if s.labels.get("phase") == phase and s.labels.get("role") == "reference"}  # fmt: skip
         return samples.get("orbit_learner_role_recovery_seconds_count", 0.0), samples.get("orbit_learner_role_recovery_seconds_sum", 0.0)
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     servers: list[socketserver.ThreadingTCPServer] = []
 
