@@ -12,6 +12,13 @@ CPU path, W4A8 on AMX, quantizes the activations to int8 and is not used here).
 the rollout's kernel on the rollout's bytes. `dequantize_transposed` is the inverse of the
 layout in plain torch (it runs on any device): the learner's backward needs W, which the
 kernel does not expose.
+
+vLLM's CPU wheel builds `cpu_gemm_wna16` into its AVX-512 library only: on a CPU without
+AVX-512 (AVX2: e.g. AMD Zen 2/3, older Intel) the op does not exist and every INT4 forward
+fails. `portable_gemm_wna16` is the same GEMM in torch (dequantize to fp32, one matmul, the
+result in the activations' dtype); `install_portable_kernel` puts it in vLLM's place when the
+native op is missing, so INT4 bases serve there too, slower (the weight is dequantized at
+every call).
 """
 
 from __future__ import annotations
@@ -43,6 +50,37 @@ def enable_amx() -> bool:
     return libc.syscall(sys_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata) == 0
 
 
+@functools.cache
+def has_native_kernel() -> bool:
+    """Whether vLLM's CPU library of this machine has `cpu_gemm_wna16` (its AVX-512 build has; AVX2 has not)."""
+    import vllm._custom_ops  # noqa: F401  (loads vLLM's _C library for this CPU's ISA)
+
+    return hasattr(torch.ops._C, "cpu_gemm_wna16")
+
+
+def portable_gemm_wna16(input: torch.Tensor, q_weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                        bias: torch.Tensor | None, pack_factor: int, isa_hint: str | None = None) -> torch.Tensor:  # fmt: skip
+    """`cpu_gemm_wna16`'s contract in torch: y = input @ W.T + bias, W from vLLM's repacked layout
+    (symmetric INT4, no zero points), computed in fp32 and returned in the input's dtype."""
+    if zeros is not None or pack_factor != 8:
+        raise NotImplementedError("the portable W4A16 kernel covers symmetric INT4 (no zero points, 8 codes per int32)")
+    y = input.float() @ dequantize_transposed(q_weight, scales, torch.float32)
+    if bias is not None:
+        y += bias.float()
+    return y.to(input.dtype)
+
+
+def install_portable_kernel() -> bool:
+    """Put portable_gemm_wna16 in vLLM's `_custom_ops.cpu_gemm_wna16` where the native op is missing
+    (vLLM's CPU kernel calls it through that module); True when it did."""
+    if has_native_kernel():
+        return False
+    from vllm import _custom_ops as ops
+
+    ops.cpu_gemm_wna16 = portable_gemm_wna16
+    return True
+
+
 def wna16_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                  isa_hint: str) -> torch.Tensor:  # fmt: skip
     """y = x @ W.T + bias with vLLM's `cpu_gemm_wna16` (x: [..., in] in the scale's dtype)."""
@@ -51,7 +89,8 @@ def wna16_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bia
     if isa_hint == "amx":
         enable_amx()
     rows = x.reshape(-1, x.shape[-1])
-    y = ops.cpu_gemm_wna16(input=rows, q_weight=packed, scales=scale, zeros=None, bias=bias, pack_factor=8,
+    gemm = ops.cpu_gemm_wna16 if has_native_kernel() else portable_gemm_wna16
+    y = gemm(input=rows, q_weight=packed, scales=scale, zeros=None, bias=bias, pack_factor=8,
                            isa_hint=isa_hint)  # fmt: skip
     return y.view(*x.shape[:-1], y.shape[-1])
 

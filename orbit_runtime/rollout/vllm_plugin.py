@@ -6,6 +6,8 @@ cannot run INT4 experts or MoE LoRA there (see `vllm_cpu_moe.py`, `vllm_cpu_deep
 it gives the CPU LoRA ops a single-adapter fast path (`vllm_cpu_lora.py`; ORBIT_VLLM_LORA_FAST_PATH=0
 turns it off). On GPU it does nothing, so vLLM's own fused MoE model and LoRA kernels serve.
 Set ORBIT_VLLM_CPU_MOE=0 to keep vLLM's model on CPU too (e.g. on a CPU with AMX).
+On a CPU without AVX-512, whose vLLM library has no INT4 GEMM, it installs a portable one
+(`int4/vllm_cpu_kernel.py`), so INT4 bases serve there too.
 With VLLM_CPU_INT4_W4A8=0 (colocated engines) it also asks Linux for the AMX state. With
 ORBIT_RETURN_ROUTED_EXPERTS=1 (routing replay) it makes the CPU build return the experts its
 routers chose, as vLLM's GPU build does (`routing_capture.py`).
@@ -37,6 +39,11 @@ def register() -> None:
         from orbit_runtime.int4.vllm_cpu_kernel import enable_amx
 
         enable_amx()
+    from orbit_runtime.int4.vllm_cpu_kernel import install_portable_kernel
+
+    if install_portable_kernel():
+        log.warning("orbit: vLLM's CPU library has no cpu_gemm_wna16 on this CPU (no AVX-512): INT4 linears use "
+                    "Orbit's portable kernel (dequantize + fp32 GEMM), correct but slower")  # fmt: skip
     from orbit_runtime.rollout import vllm_cpu_lora
 
     if vllm_cpu_lora.enabled():

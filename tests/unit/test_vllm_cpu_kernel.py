@@ -72,3 +72,27 @@ def test_dequantize_is_codes_minus_eight_times_the_group_scale(repacked):
     dense_t = dequantize_transposed(packed, scale, torch.float32)
     group = codes_t.shape[0] // scale.shape[0]
     assert torch.equal(dense_t, (codes_t.float() - 8) * scale.repeat_interleave(group, dim=0))
+
+
+def test_the_portable_kernel_computes_the_int4_linear_from_vllms_layout(repacked):
+    """portable_gemm_wna16 (what serves INT4 on CPUs whose vLLM library lacks cpu_gemm_wna16) against
+    the INT4 linear computed from the codes themselves, and against the native op where this CPU has it."""
+    from orbit_runtime.int4.vllm_cpu_kernel import has_native_kernel, portable_gemm_wna16
+
+    codes_t, packed, scale = repacked
+    scale = scale.to(torch.float16)
+    group = codes_t.shape[0] // scale.shape[0]
+    x = torch.randn(5, codes_t.shape[0], generator=torch.Generator().manual_seed(2)).to(torch.float16)
+    bias = torch.randn(codes_t.shape[1], generator=torch.Generator().manual_seed(3)).to(torch.float16)
+    truth = x.float() @ ((codes_t.float() - 8) * scale.float().repeat_interleave(group, dim=0)) + bias.float()
+    y = portable_gemm_wna16(input=x, q_weight=packed, scales=scale, zeros=None, bias=bias, pack_factor=8, isa_hint="vec")
+    assert y.dtype == torch.float16
+    torch.testing.assert_close(y.float(), truth, rtol=1e-3, atol=2e-3)  # one fp16 rounding of an fp32 result
+    if has_native_kernel():  # an AVX-512 CPU: the two kernels agree
+        from vllm import _custom_ops as ops
+
+        native = torch.ops._C.cpu_gemm_wna16(x, packed, scale, None, bias, 8, "vec")
+        torch.testing.assert_close(y.float(), native.float(), rtol=1e-2, atol=1e-2)
+        assert ops.cpu_gemm_wna16 is not portable_gemm_wna16
+    with pytest.raises(NotImplementedError, match="zero points"):
+        portable_gemm_wna16(input=x, q_weight=packed, scales=scale, zeros=torch.zeros(1), bias=None, pack_factor=8)
