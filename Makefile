@@ -64,12 +64,14 @@ lock:
 	rm -rf $(LOCK_VENV)
 
 # Debian's Prometheus (with promtool): the observability tests run the real thing; bubblewrap
-# (bwrap): the end-to-end tests' node runs each pod container in a sandbox. Not Python
-# packages, so they come from apt, once.
+# (bwrap): the end-to-end tests' node runs each pod container in a sandbox; Chromium: the
+# report's test opens report.html in a real headless browser. Not Python packages, so they
+# come from apt, once.
 test-tools:
 	@missing=""; \
 	command -v prometheus >/dev/null && command -v promtool >/dev/null || missing="$$missing prometheus"; \
 	command -v bwrap >/dev/null || missing="$$missing bubblewrap"; \
+	command -v chromium >/dev/null || missing="$$missing chromium"; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing Debian's$$missing for the tests"; \
 	  $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq --no-install-recommends $$missing; \

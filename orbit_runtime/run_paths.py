@@ -32,6 +32,10 @@ class RunPaths:
         return self.root / "report.html"
 
     @property
+    def final_adapter(self) -> Path:  # the adapter at the end of the run, written for the trackers (run.report_to)
+        return self.root / "adapter"
+
+    @property
     def adapters(self) -> Path:  # adapters/v<N>, see sync.adapter_sync.adapter_dir
         return self.adapters_dir or self.root / "adapters"
 

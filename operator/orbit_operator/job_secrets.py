@@ -34,14 +34,16 @@ class SecretsUnreadable(Exception):
     """A Secret the job names cannot be read (not a 404): its values could not be masked."""
 
 
-def named_secrets(job: dict) -> dict[str, str]:
-    """The Secrets the job's spec names, by the container that gets them (read defensively: the spec may be invalid)."""
+def named_secrets(job: dict) -> list[tuple[str, str]]:
+    """The Secrets the job's spec names, as (the container that gets it, its name) pairs (read defensively:
+    the spec may be invalid)."""
     spec = job.get("spec") if isinstance(job.get("spec"), dict) else {}
-    names = {}
-    for section, container in (("checkpoint", "learner"), ("base", "prepare-base")):
-        value = (spec.get(section) or {}).get("credentialsSecret") if isinstance(spec.get(section), dict) else None
+    names = []
+    for section, field, container in (("checkpoint", "credentialsSecret", "learner"), ("run", "trackingSecret", "learner"),
+                                      ("base", "credentialsSecret", "prepare-base")):  # fmt: skip
+        value = (spec.get(section) or {}).get(field) if isinstance(spec.get(section), dict) else None
         if isinstance(value, str) and value:
-            names[container] = value
+            names.append((container, value))
     return names
 
 
@@ -63,11 +65,13 @@ def ensure_access(api: Kube, job: dict, settings: OperatorSettings) -> None:
 def add_redact_env(api: Kube, job: dict, pod: dict) -> None:
     """Tell the containers that get a Secret (envFrom) which of their variables it holds (REDACT_ENV: its key
     names), so that they mask the values in their logs and termination messages whatever the keys are called."""
-    for container_name, secret_name in named_secrets(job).items():
-        keys = sorted(((_get(api, job["metadata"]["namespace"], secret_name) or {}).get("data") or {}).keys())
-        for container in pod["spec"]["initContainers"] + pod["spec"]["containers"]:
-            if container["name"] == container_name and keys:
-                container["env"].append({"name": REDACT_ENV, "value": ",".join(keys)})
+    keys: dict[str, set[str]] = {}
+    for container_name, secret_name in named_secrets(job):
+        data = (_get(api, job["metadata"]["namespace"], secret_name) or {}).get("data") or {}
+        keys.setdefault(container_name, set()).update(data)
+    for container in pod["spec"]["initContainers"] + pod["spec"]["containers"]:
+        if keys.get(container["name"]):
+            container["env"].append({"name": REDACT_ENV, "value": ",".join(sorted(keys[container["name"]]))})
 
 
 def _get(api: Kube, namespace: str, name: str) -> dict | None:
@@ -81,13 +85,13 @@ def _get(api: Kube, namespace: str, name: str) -> dict | None:
 def _read(api: Kube, job: dict) -> tuple[list[str], str | None]:
     meta = job["metadata"]
     names = named_secrets(job)
-    key = (meta["namespace"], meta["name"], meta.get("uid"), tuple(sorted(names.values())))
+    key = (meta["namespace"], meta["name"], meta.get("uid"), tuple(sorted({name for _, name in names})))
     with _lock:
         cached = _cache.get(key)
     if cached is not None and cached[2] is not None and time.monotonic() - cached[0] < CACHE_SECONDS:
         return cached[1], cached[2]
     values: list[str] = []
-    for name in sorted(set(names.values())):
+    for name in key[3]:
         values += job_access.secret_values(_get(api, meta["namespace"], name))
     stored = _get(api, meta["namespace"], object_names(meta["name"], 0)["api_key_secret"])
     api_key = job_access.api_key_of(stored) if controlled_by(stored, meta.get("uid")) else None  # never a foreign one

@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BeforeValidator, Field, StringConstraints, WithJsonSchema, field_validator, model_validator
 
 from orbit_operator.core_types import Affinity, AsDict, Toleration
+from orbit_runtime.config.run_outputs import RunSpec
 from orbit_runtime.config.spec import CheckpointSpec, JobSpec, ModelSettings, ModelSpec, Section
 from orbit_runtime.config.storage_uri import validate_storage_uri
 
@@ -207,6 +208,16 @@ class ClusterCheckpointSpec(CheckpointSpec):
     )  # fmt: skip
 
 
+class ClusterRunSpec(RunSpec):
+    """The run's name and trackers; in a cluster, their credentials come from a Secret."""
+
+    trackingSecret: str | None = Field(
+        None, pattern=DNS_LABEL, max_length=253,
+        description="Secret with the trackers' credentials (WANDB_API_KEY; MLFLOW_TRACKING_TOKEN or "
+        "MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD), given to the learner only as environment variables.",
+    )  # fmt: skip
+
+
 def _check_labels(values: dict[str, str], field: str) -> dict[str, str]:
     for key in values:
         if len(key) > 317 or not LABEL_KEY.match(key):
@@ -221,6 +232,7 @@ class RLTrainingJobSpec(JobSpec):
     checkpoint: ClusterCheckpointSpec = Field(  # type: ignore[assignment]
         default_factory=ClusterCheckpointSpec, description=ClusterCheckpointSpec.__doc__
     )
+    run: ClusterRunSpec = Field(default_factory=ClusterRunSpec, description=ClusterRunSpec.__doc__)  # type: ignore[assignment]
     base: BaseSource = Field(description="Where the INT4 base comes from.")
     resources: PodResources = Field(default_factory=PodResources, description="The containers' CPU, memory, GPUs and images.")
     nodeSelector: dict[str, str] = Field(default_factory=dict, description="The pod's nodeSelector (node labels).")
@@ -270,5 +282,6 @@ class RLTrainingJobSpec(JobSpec):
         data = self.model_dump(mode="json", include=set(JobSpec.model_fields))
         data["model"] = ModelSpec(path=base_path, **self.model.model_dump()).model_dump(mode="json")
         data["checkpoint"].pop("credentialsSecret", None)
+        data["run"].pop("trackingSecret", None)
         data["run"]["output_dir"] = output_dir
         return JobSpec.model_validate(data)

@@ -317,8 +317,9 @@ def build_pod(name: str, namespace: str, spec: RLTrainingJobSpec, settings: Oper
     if spec.placement == "colocated":
         # the learner maps the rollout's base: its socket goes in the /dev/shm volume both containers mount
         learner["env"].append({"name": SHARE_DIR_ENV, "value": "/dev/shm"})
-    if spec.checkpoint.credentialsSecret:
-        learner["envFrom"] = [{"secretRef": {"name": spec.checkpoint.credentialsSecret}}]  # the learner only
+    learner_secrets = [name for name in (spec.checkpoint.credentialsSecret, spec.run.trackingSecret) if name]
+    if learner_secrets:  # S3 and tracker credentials: the learner only
+        learner["envFrom"] = [{"secretRef": {"name": name}} for name in dict.fromkeys(learner_secrets)]
 
     volumes: list[dict] = [
         {"name": "base-cache", "hostPath": {"path": settings.cache_root, "type": "DirectoryOrCreate"}},

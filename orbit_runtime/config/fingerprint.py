@@ -21,7 +21,7 @@ from typing import Any
 from orbit_runtime.config.spec import JobSpec
 
 EXCLUDED = (
-    "checkpoint", "eval", "metrics", "sync", "run.output_dir", "run.log_samples", "schedule.steps",
+    "checkpoint", "eval", "metrics", "sync", "run.output_dir", "run.log_samples", "run.report_to", "run.tracking", "schedule.steps",
     "rollout.max_restarts", "rollout.kv_cache_gib", "reference.max_restarts", "reference.report_kl", "learner",
     "rollout.gpu_memory_utilization", "rollout.tensor_parallel_size", "rollout.enable_prefix_caching", "rollout.max_num_seqs",
     "rollout.enforce_eager", "algorithm.max_mismatch", "algorithm.max_mismatch_steps", "placement",

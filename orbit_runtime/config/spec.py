@@ -17,6 +17,7 @@ from orbit_runtime.config.code_data import HumanEvalData, SyntheticCodeData
 from orbit_runtime.config.environment import BfclData, EnvironmentData, EnvironmentSpec
 from orbit_runtime.config.learner import LearnerSpec
 from orbit_runtime.config.moe import MoeSpec
+from orbit_runtime.config.run_outputs import MetricsSpec, RunSpec
 from orbit_runtime.config.storage_uri import validate_storage_uri
 from orbit_runtime.errors import OrbitError
 
@@ -329,24 +330,6 @@ class CheckpointSpec(Section):
         if self.every_steps is None and self.every_minutes is None:
             raise ValueError("set every_steps or every_minutes (or both)")
         return self
-
-
-class MetricsSpec(Section):
-    """The learner's Prometheus endpoint (/metrics and /healthz)."""
-
-    port: int | None = Field(None, ge=0, le=65535, description="Serve metrics on this port (0: any free port; null: off).")
-    host: str = Field("127.0.0.1", description="Address to bind; 0.0.0.0 in a pod so Prometheus can scrape it.")
-
-
-class RunSpec(Section):
-    """The run's name and files."""
-
-    name: str = Field("orbit", pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", description="Run name (DNS label).")
-    output_dir: str = Field("runs", description="Runs are written to <output_dir>/<name>/.")
-    log_samples: int = Field(
-        4, ge=0, description="Rollout samples per step written to <output_dir>/<name>/samples.jsonl (0: none; "
-        ">= the batch: all)."
-    )
 
 
 class JobSpec(Section):

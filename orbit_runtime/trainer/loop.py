@@ -48,6 +48,7 @@ from orbit_runtime.rewards.scoring import RewardScorer
 from orbit_runtime.run_paths import RunPaths
 from orbit_runtime.sync.adapter_sync import prune_adapters, publish_adapter
 from orbit_runtime.sync.memory_adapter import InMemoryAdapter
+from orbit_runtime.tracking.fanout import check_installed
 from orbit_runtime.trainer.batch import BatchBuilder, RolloutBatch, canary_pairs
 from orbit_runtime.trainer.checkpoint_manager import CheckpointManager
 from orbit_runtime.trainer.checkpointing import (
@@ -96,6 +97,7 @@ class Trainer:
         # where a (re)start's seconds go, reported with the first step after a resume (benchmarks/recovery.py)
         self.startup_seconds = {"process_start_to_init": process_age_seconds()}
         self.spec, self.console = spec, console
+        check_installed(spec.run.report_to)  # a tracker's missing extra stops the run here, not hours in
         external = external or ExternalRoles()
         self.paths = RunPaths(Path(spec.run.output_dir) / spec.run.name, external.adapters_dir).create()
         self.base_digest = read_base_digest(Path(spec.model.path))  # OrbitError if the base changed after quantize
@@ -162,6 +164,7 @@ class Trainer:
         except BaseException:
             self.stop_roles()  # colocated: the engine was started to load the policy
             raise
+        self.recorder.open_trackers(self.state.step if self.state.resumed_from else None)
         removed = self.checkpoints.remove_torn()
         if removed:
             self.recorder.record({"kind": "checkpoint_cleanup", "removed_steps": removed})
@@ -235,7 +238,8 @@ class Trainer:
         stopped the run is the one the user sees; failures here are logged."""
         summary: dict = {}
         for what, action in (("final checkpoint", lambda: self._finish_checkpoints(reason)),
-                             ("summary", lambda: summary.update(self.write_summary(interrupted)))):  # fmt: skip
+                             ("summary", lambda: summary.update(self.write_summary(interrupted))),
+                             ("trackers", self._finish_trackers)):  # fmt: skip
             try:
                 action()
             except Exception as exc:
@@ -244,6 +248,11 @@ class Trainer:
         if self.metrics_server:
             self.metrics_server.stop()
         return summary
+
+    def _finish_trackers(self) -> None:
+        warning = self.recorder.finish_trackers(self.phase, self.policy.save_adapter, self.spec.checkpoint.stop_timeout_s)
+        if warning:
+            self._say(f"[yellow]{warning}")
 
     def _finish_checkpoints(self, reason: str) -> None:
         """Checkpoint the last completed step (if not yet) and wait a bounded time for it to land."""

@@ -1,5 +1,6 @@
 """What a run leaves behind for people and tools: metrics.jsonl rows (steps, evals, events),
-samples.jsonl, summary.json, report.html and processes.json, under runs/<name>/."""
+samples.jsonl, summary.json, report.html and processes.json, under runs/<name>/, and the same rows
+sent to the experiment trackers of run.report_to (orbit_runtime/tracking)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from orbit_runtime.checkpoint.catalog import step_dir
 from orbit_runtime.learner.update import UpdateResult
 from orbit_runtime.run_paths import RunPaths
 from orbit_runtime.sync.adapter_sync import SyncResult
+from orbit_runtime.tracking import TrackerFanout, open_trackers
+from orbit_runtime.tracking.fanout import TrackingContext
 from orbit_runtime.trainer.batch import RolloutBatch
 from orbit_runtime.trainer.report import render_report
 
@@ -186,8 +189,30 @@ class RunRecorder:
         self.paths = paths
         self.state = state
         self.name = name
+        self.spec = spec
+        self.trackers = TrackerFanout({})  # none until open_trackers
         if spec is not None:
             paths.job_spec.write_text(spec.model_dump_json(indent=2))
+
+    def open_trackers(self, resumed_step: int | None) -> None:
+        """Start the trackers of run.report_to (after the run restored its checkpoint, if any: RESUMED_STEP);
+        OrbitError if one is not installed. A resumed run's curves so far go to trackers that start empty."""
+        run = self.spec.run
+        context = TrackingContext(run_dir=self.paths.root, output_dir=self.paths.root.parent, run=run,
+                                  spec_json=self.spec.model_dump(mode="json"), resumed_step=resumed_step)  # fmt: skip
+        if resumed_step is None:
+            (self.paths.root / "tracking.json").unlink(missing_ok=True)  # a new run: new tracker runs
+        self.trackers = open_trackers(context, list(self.state.rows) if resumed_step is not None else [])
+
+    def finish_trackers(self, phase: str, save_adapter, timeout_s: float) -> str | None:
+        """Send the report and the final adapter (SAVE_ADAPTER(dir) writes it) and close the trackers with
+        the run's PHASE, waiting at most TIMEOUT_S; a warning when they did not finish."""
+        if not self.trackers.names:
+            return None
+        artifacts = [self.paths.report, self.paths.summary]
+        if save_adapter is not None:
+            artifacts.append(save_adapter(self.paths.final_adapter))
+        return self.trackers.finish(phase, [a for a in artifacts if a.exists()], timeout_s)
 
     def record(self, row: dict) -> dict:
         """Append ROW (time-stamped) to metrics.jsonl and to the rows a checkpoint carries; returns it."""
@@ -195,12 +220,14 @@ class RunRecorder:
         with open(self.paths.metrics, "a") as f:
             f.write(json.dumps(row) + "\n")
         self.state.rows.append(row)
+        self.trackers.log_row(row)
         return row
 
     def record_samples(self, rows: list[dict]) -> None:
         if rows:
             with open(self.paths.samples, "a") as f:
                 f.write("".join(json.dumps(r) + "\n" for r in rows))
+            self.trackers.log_samples(rows[0]["step"], rows)
 
     def restore(self, rows: list[dict]) -> None:
         """A resumed run continues the checkpoint's curves (rows after it are dropped)."""
@@ -216,5 +243,6 @@ class RunRecorder:
 
     def write_summary(self, summary: dict) -> dict:
         self.paths.summary.write_text(json.dumps(summary, indent=2) + "\n")
-        self.paths.report.write_text(render_report(self.name, self.state.steps, self.state.evals, summary))
+        config = self.spec.model_dump(mode="json") if self.spec is not None else None
+        self.paths.report.write_text(render_report(self.name, self.state.steps, self.state.evals, summary, config))
         return summary

@@ -93,3 +93,14 @@ def test_the_log_filter_masks_messages_tracebacks_and_kopfs_object_records():
     finally:
         kopf_objects.removeHandler(collector)
     assert posted == ["handler failed: ***"]
+
+
+def test_the_trackers_secret_is_masked_and_its_keys_reach_the_learners_redaction():
+    api = Secrets({"s3": _secret({"AWS_SECRET_ACCESS_KEY": "s3-secret-value-1"}), "trackers": _secret({"WANDB_API_KEY": "wandb-key-value-2"})})
+    job = _job("uid-1")
+    job["spec"]["run"] = {"trackingSecret": "trackers"}
+    assert job_secrets.named_secrets(job) == [("learner", "s3"), ("learner", "trackers")]
+    assert job_secrets.redacted(api, job, "x wandb-key-value-2 s3-secret-value-1") == "x *** ***"
+    pod = {"spec": {"initContainers": [], "containers": [{"name": "learner", "env": []}]}}
+    job_secrets.add_redact_env(api, job, pod)
+    assert pod["spec"]["containers"][0]["env"] == [{"name": job_secrets.REDACT_ENV, "value": "AWS_SECRET_ACCESS_KEY,WANDB_API_KEY"}]

@@ -328,3 +328,22 @@ def test_orbit_validate_checks_every_document_and_exits_1_naming_fields(tmp_path
         assert "Traceback" not in result.output and "error:" in result.output, case
     path.write_text(good)
     assert CliRunner().invoke(app, ["validate", str(path)]).exit_code == 0
+
+
+def test_the_trackers_credentials_reach_the_learner_only_and_never_the_configmap():
+    """run.trackingSecret (W&B / MLflow credentials): an envFrom of the learner beside the S3 Secret; the
+    runtime config keeps the trackers and their URI, not the Secret's name."""
+    job = _example("rljob-cpu.yaml")
+    job["spec"]["run"] = {**job["spec"].get("run", {}), "report_to": ["mlflow", "wandb"], "trackingSecret": "trackers",
+                          "tracking": {"mlflow_tracking_uri": "http://mlflow.ml:5000"}}  # fmt: skip
+    check = validate_job(job)
+    assert check.ok, check.errors
+    pod = build_pod("job", "default", check.spec, OperatorSettings(), attempt=1)
+    containers = {c["name"]: c for c in pod["spec"]["initContainers"] + pod["spec"]["containers"]}
+    assert [e["secretRef"]["name"] for e in containers["learner"]["envFrom"]] == [job["spec"]["checkpoint"]["credentialsSecret"], "trackers"]
+    assert all("trackers" not in str(c.get("envFrom")) for name, c in containers.items() if name != "learner")
+    config = yaml.safe_load(build_configmap("job", "default", check.spec, OperatorSettings())["data"]["job.yaml"])
+    assert config["run"]["report_to"] == ["mlflow", "wandb"] and "trackingSecret" not in config["run"]
+    assert config["run"]["tracking"]["mlflow_tracking_uri"] == "http://mlflow.ml:5000"
+    job["spec"]["run"]["trackingSecret"] = "Not_A_Name"
+    assert not validate_job(job).ok
