@@ -135,7 +135,7 @@ def test_run_survives_rollout_and_reference_death_and_a_raising_reward(tmp_path,
     assert summary["heldout_accuracy_after_stderr"] is not None and summary["heldout_pass_at_k_after"] >= summary["heldout_accuracy_after"]
     assert sorted(p.name for p in (run / "adapters").iterdir()) == ["v4", "v5"]
     report = (run / "report.html").read_text()
-    assert report.count("<svg") == 7 and "Held-out samples" in report
+    assert report.count("<div class='chart'>") >= 9 and "Held-out samples" in report  # plotly charts, drawn in the browser test
     samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]  # run.log_samples: 4 a step
     assert [s["step"] for s in samples] == [step for step in range(1, 6) for _ in range(4)]
     assert {"step", "prompt", "completion", "reward", "group"} <= samples[0].keys()
