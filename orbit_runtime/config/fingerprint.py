@@ -35,11 +35,13 @@ LATER_DEFAULTS = {"rollout.truncated": "keep", "rollout.truncated_reward": 0.0, 
 REWARD_GUARDS = ("max_error_fraction",)  # per reward: when a step fails, not what it computes
 
 
-def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(value, dict):
+def flatten_fields(value: Any, prefix: str = "", keep_empty: bool = False) -> dict[str, Any]:
+    """A nested dict (a spec's model_dump) as {dotted.field: leaf}. An empty dict has no leaves and is
+    left out, unless KEEP_EMPTY (then it is a leaf itself; the hash keeps leaving it out)."""
+    if isinstance(value, dict) and (value or not keep_empty or not prefix):
         out: dict[str, Any] = {}
         for key, item in value.items():
-            out.update(_flatten(item, f"{prefix}.{key}" if prefix else str(key)))
+            out.update(flatten_fields(item, f"{prefix}.{key}" if prefix else str(key), keep_empty))
         return out
     return {prefix: value}
 
@@ -54,7 +56,7 @@ def training_fields(spec: JobSpec, base_digest: str | None = None) -> dict[str, 
     excluded = EXCLUDED if spec.schedule.lr_schedule == "constant" else tuple(e for e in EXCLUDED if e != "schedule.steps")
     if base_digest is not None:
         excluded += ("model.path",)
-    flat = _flatten(spec.model_dump(mode="json"))
+    flat = flatten_fields(spec.model_dump(mode="json"))
     fields = {k: v for k, v in flat.items() if not any(k == e or k.startswith(e + ".") for e in excluded)}
     fields = {k: v for k, v in fields.items() if not (k in LATER_DEFAULTS and v == LATER_DEFAULTS[k])}
     if "rewards" in fields:

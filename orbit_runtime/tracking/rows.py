@@ -7,6 +7,8 @@ import json
 import math
 from typing import Any
 
+from orbit_runtime.config.fingerprint import flatten_fields
+
 MAX_PARAM_LENGTH = 6000  # MLflow's limit on a parameter value; longer values are left to job.json
 
 
@@ -35,19 +37,13 @@ def row_metrics(row: dict) -> tuple[int, dict[str, float]] | None:
     return step, out
 
 
-def flat_params(spec: dict, prefix: str = "") -> dict[str, str]:
+def flat_params(spec: dict) -> dict[str, str]:
     """The job spec (model_dump(mode="json")) as {dotted.field: value as text}, for a tracker's parameters
-    (lists as JSON; values over MAX_PARAM_LENGTH left out: the whole spec is logged as job.json too)."""
-    out: dict[str, str] = {}
-    for key, value in spec.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict) and value:
-            out.update(flat_params(value, name + "."))
-            continue
-        text = value if isinstance(value, str) else json.dumps(value)
-        if len(text) <= MAX_PARAM_LENGTH:
-            out[name] = text
-    return out
+    (lists and empty sections as JSON; values over MAX_PARAM_LENGTH left out: the whole spec is logged as
+    job.json too)."""
+    texts = {name: value if isinstance(value, str) else json.dumps(value)
+             for name, value in flatten_fields(spec, keep_empty=True).items()}  # fmt: skip
+    return {name: text for name, text in texts.items() if len(text) <= MAX_PARAM_LENGTH}
 
 
 def sample_table(samples: list[dict]) -> tuple[list[str], list[list]]:

@@ -5,6 +5,7 @@ are text (a Markdown table per step), the only table TensorBoard has."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -23,7 +24,7 @@ class TensorBoardTracker:
         self.needs_history = not fresh and not any(self.log_dir.glob("events.out.tfevents.*"))
         purge = None if fresh else context.resumed_step + 1
         self.writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=purge, flush_secs=30)
-        self.writer.add_text("config", f"```json\n{_json(context.spec_json)}\n```", 0)
+        self.writer.add_text("config", f"```json\n{json.dumps(context.spec_json, indent=2)}\n```", 0)
 
     def log_metrics(self, step: int, metrics: dict[str, float], timestamp: float) -> None:
         for key, value in metrics.items():
@@ -44,9 +45,3 @@ class TensorBoardTracker:
 
     def close(self, status: str) -> None:
         self.writer.close()
-
-
-def _json(value) -> str:
-    import json
-
-    return json.dumps(value, indent=2)
