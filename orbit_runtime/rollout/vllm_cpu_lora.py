@@ -79,8 +79,22 @@ class SingleAdapterPunicaWrapperCPU(PunicaWrapperCPU):
             y[:, y_offset : y_offset + y_slice_size] = out
 
 
+_stock_get_punica_wrapper: list = []  # vLLM's own classmethod, kept by the first install()
+
+
 def install() -> None:
     """Make vLLM's CPU platform build this wrapper (vLLM resolves the wrapper's qualified name when LoRA starts)."""
     from vllm.platforms.cpu import CpuPlatform
 
+    if not _stock_get_punica_wrapper:
+        _stock_get_punica_wrapper.append(CpuPlatform.__dict__["get_punica_wrapper"])
     CpuPlatform.get_punica_wrapper = classmethod(lambda cls: QUALNAME)
+
+
+def uninstall() -> None:
+    """Give vLLM's CPU platform its own wrapper back (a process that installed the fast path, then
+    starts an engine with it turned off: an in-process engine after another, or a test)."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    if _stock_get_punica_wrapper:
+        CpuPlatform.get_punica_wrapper = _stock_get_punica_wrapper[0]

@@ -48,6 +48,8 @@ def register() -> None:
 
     if vllm_cpu_lora.enabled():
         vllm_cpu_lora.install()  # one adapter for the whole batch: two GEMMs, not a per-token gather
+    else:
+        vllm_cpu_lora.uninstall()  # an earlier engine of this process may have installed it
     if os.environ.get("ORBIT_VLLM_CPU_MOE", "1") == "0":
         return
     from vllm import ModelRegistry

@@ -134,5 +134,10 @@ def test_the_plugin_installs_the_fast_path_unless_turned_off(monkeypatch: pytest
         monkeypatch.delenv(vllm_cpu_lora.FAST_PATH_ENV)
         vllm_plugin.register()
         assert resolve_obj_by_qualname(CpuPlatform.get_punica_wrapper()) is SingleAdapterPunicaWrapperCPU
+        # an engine started later in the same process with it turned off (the suite starts in-process
+        # engines before this test: register() has run here already) gets vLLM's own wrapper back
+        monkeypatch.setenv(vllm_cpu_lora.FAST_PATH_ENV, "0")
+        vllm_plugin.register()
+        assert resolve_obj_by_qualname(CpuPlatform.get_punica_wrapper()) is PunicaWrapperCPU
     finally:
         CpuPlatform.get_punica_wrapper = original
