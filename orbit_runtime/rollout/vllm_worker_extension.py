@@ -68,4 +68,5 @@ class OrbitWorkerExtension:
 
         y = linear_output(self.model_runner.model, name, int(rows), int(seed)).contiguous()
         data = base64.b64encode(y.view(-1).view(torch.uint8).numpy().tobytes()).decode()
-        return {"dtype": str(y.dtype).removeprefix("torch."), "shape": list(y.shape), "data": data}
+        return {"dtype": str(y.dtype).removeprefix("torch."), "shape": list(y.shape), "data": data,
+                "threads": torch.get_num_threads()}  # fmt: skip
