@@ -14,7 +14,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -32,29 +32,37 @@ WARNINGS_PER_TRACKER = 5  # then one in every 100 failures
 @dataclass(frozen=True)
 class TrackingContext:
     """What a tracker needs to open: the run's directory, name and settings (config.run_outputs.RunSpec),
-    its job spec as JSON, and RESUMED_STEP (the checkpoint's step when the run resumed, else None)."""
+    its job spec as JSON (credentials masked), RESUMED_STEP (the checkpoint's step when the run resumed,
+    else None) and RUN_IDS, the tracker run ids the run's checkpoints carry (the trainer's dict, updated
+    in place as trackers open, so the next checkpoint carries the new ones)."""
 
     run_dir: Path
     output_dir: Path
     run: object  # RunSpec
     spec_json: dict
     resumed_step: int | None
+    run_ids: dict[str, str] = field(default_factory=dict)
 
     def ids(self) -> dict:
-        """Tracker run ids kept in <run>/tracking.json, so that a resumed run continues the same tracker run."""
-        path = self.run_dir / "tracking.json"
+        """The tracker run ids a resumed run continues: the checkpoint's (a pod's run directory does not
+        outlive the pod), else those <run>/tracking.json keeps (a checkpoint written before a tracker opened)."""
         try:
-            return json.loads(path.read_text())
+            kept = json.loads((self.run_dir / "tracking.json").read_text())
         except (OSError, ValueError):
-            return {}
+            kept = {}
+        return {**(kept if isinstance(kept, dict) else {}), **self.run_ids}
 
     def save_id(self, tracker: str, run_id: str) -> None:
+        self.run_ids[tracker] = run_id
         path = self.run_dir / "tracking.json"
         path.write_text(json.dumps({**self.ids(), tracker: run_id}, indent=2) + "\n")
 
 
 class Tracker(Protocol):
-    """One tracker's library, spoken from the trackers' thread only."""
+    """One tracker's library, spoken from the trackers' thread only. NEEDS_HISTORY: its run started empty
+    (a new run, or a resume into a new tracker run), so the rows recorded before it opened are sent to it."""
+
+    needs_history: bool
 
     def log_metrics(self, step: int, metrics: dict[str, float], timestamp: float) -> None: ...
     def log_samples(self, step: int, table: str, samples: list[dict]) -> None: ...
@@ -113,20 +121,26 @@ class TrackerFanout:
 
     def finish(self, status: str, artifacts: list[Path], timeout_s: float) -> str | None:
         """Log ARTIFACTS (files or directories), close every tracker with STATUS (succeeded, stopped,
-        failed), and wait at most TIMEOUT_S; returns a warning when the trackers did not finish in time."""
+        failed), and wait at most TIMEOUT_S in all (queueing included: a full queue is waited on, not
+        dropped); returns a warning when the trackers did not finish in time."""
         if self._thread is None:
             return None
+        deadline = time.monotonic() + timeout_s
         for path in artifacts:
-            self._put("artifact", path)
-        self._put("close", status, block=True)
-        self._thread.join(timeout_s)
+            self._put("artifact", path, deadline=deadline)
+        self._put("close", status, deadline=deadline)
+        self._thread.join(max(0.0, deadline - time.monotonic()))
         if self._thread.is_alive():
             return f"the trackers ({', '.join(self.names)}) did not finish within {timeout_s:.0f}s; what they had not sent is lost"
         return None
 
-    def _put(self, *item, block: bool = False) -> None:
+    def _put(self, *item, deadline: float | None = None) -> None:
+        """Queue ITEM: at once (dropped and counted when the queue is full), or waiting until DEADLINE."""
         try:
-            self._queue.put(item, block=block, timeout=5 if block else None)
+            if deadline is None:
+                self._queue.put_nowait(item)
+            else:
+                self._queue.put(item, timeout=max(0.001, deadline - time.monotonic()))
         except queue.Full:
             TRACKER_DROPPED.inc()
 
@@ -136,11 +150,11 @@ class TrackerFanout:
             tracker = self._call(name, "open", opener)
             if tracker is not None:
                 self.trackers[name] = tracker
-        for row in history:  # a resumed run: the curves before the checkpoint, for trackers that start empty
+        for row in history:  # the rows recorded before the trackers opened, for tracker runs that start empty
             metrics = row_metrics(row)
             if metrics is not None:
                 for name, tracker in self.trackers.items():
-                    if getattr(tracker, "needs_history", False):
+                    if tracker.needs_history:
                         self._call(name, "metrics", tracker.log_metrics, metrics[0], metrics[1], row.get("time", 0.0))
         while True:
             operation, *args = self._queue.get()
@@ -168,7 +182,8 @@ class TrackerFanout:
 
 def open_trackers(context: TrackingContext, history: list[dict]) -> TrackerFanout:
     """The fan-out over the trackers context.run.report_to names (checked installed: OrbitError if not).
-    HISTORY: the rows a resumed run restored, logged to trackers that start without them."""
+    HISTORY: the rows recorded before the trackers opened (a resumed run's restored curves), logged to
+    tracker runs that start without them."""
     names = list(context.run.report_to)
     check_installed(names)
     for name in names:

@@ -6,11 +6,12 @@ The store is run.tracking.mlflow_tracking_uri, else $MLFLOW_TRACKING_URI, else a
 <output_dir>/mlflow.db with artifacts under <output_dir>/mlflow-artifacts (MLflow's file store is in
 maintenance mode and refuses to start by default).
 Credentials come from MLflow's own variables (MLFLOW_TRACKING_TOKEN, ..._USERNAME/_PASSWORD). A
-resumed run continues the MLflow run whose id <run>/tracking.json keeps; MLflow cannot delete metric
-points, so steps the previous life logged after its checkpoint stay, next to the new ones."""
+resumed run continues the MLflow run whose id its checkpoint carries (also in <run>/tracking.json); MLflow
+cannot delete metric points, so steps the previous life logged after its checkpoint stay, next to the new ones."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -43,27 +44,36 @@ class MlflowTracker:
         experiment = self.client.get_experiment_by_name(name)
         experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(name, artifact_location=artifacts)
         run_id = context.ids().get("mlflow") if context.resumed_step is not None else None
-        self.needs_history = False
-        if run_id is None or not self._exists(run_id):
+        self.needs_history = run_id is None or not self._exists(run_id)  # a new MLflow run starts empty
+        if self.needs_history:
             run_id = self.client.create_run(experiment_id, run_name=context.run.name).info.run_id
             context.save_id("mlflow", run_id)
-            params = [Param(k, v) for k, v in flat_params(context.spec_json).items()]
-            for i in range(0, len(params), BATCH):
-                self.client.log_batch(run_id, params=params[i : i + BATCH])
-            self.needs_history = context.resumed_step is not None  # added on resume: the curves so far
         else:
             self.client.update_run(run_id, status="RUNNING")
         self.run_id = run_id
-        self.client.log_dict(run_id, context.spec_json, "job.json")
+        try:
+            if self.needs_history:
+                params = [Param(k, v) for k, v in flat_params(context.spec_json).items()]
+                for i in range(0, len(params), BATCH):
+                    self.client.log_batch(run_id, params=params[i : i + BATCH])
+            self.client.log_dict(run_id, context.spec_json, "job.json")
+        except Exception:
+            with contextlib.suppress(Exception):  # the first error is the one to report
+                self.client.set_terminated(run_id, "FAILED")  # not left RUNNING by a tracker that never opened
+            raise
 
     def _exists(self, run_id: str) -> bool:
+        """Whether the store has RUN_ID; only MLflow's 'does not exist' means no (a store that is down raises)."""
         from mlflow.exceptions import MlflowException
+        from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, ErrorCode
 
         try:
             self.client.get_run(run_id)
             return True
-        except MlflowException:
-            return False
+        except MlflowException as exc:
+            if exc.error_code == ErrorCode.Name(RESOURCE_DOES_NOT_EXIST):
+                return False
+            raise
 
     def log_metrics(self, step: int, metrics: dict[str, float], timestamp: float) -> None:
         from mlflow.entities import Metric

@@ -21,7 +21,7 @@ class TensorBoardTracker:
         fresh = context.resumed_step is None
         if fresh:
             shutil.rmtree(self.log_dir, ignore_errors=True)  # a new run in an old directory: not the old curves
-        self.needs_history = not fresh and not any(self.log_dir.glob("events.out.tfevents.*"))
+        self.needs_history = fresh or not any(self.log_dir.glob("events.out.tfevents.*"))
         purge = None if fresh else context.resumed_step + 1
         self.writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=purge, flush_secs=30)
         self.writer.add_text("config", f"```json\n{json.dumps(context.spec_json, indent=2)}\n```", 0)

@@ -4,7 +4,9 @@ a model artifact.
 
 Online when WANDB_API_KEY is set, else offline (files under <run>/wandb, `wandb sync` uploads them
 later), unless run.tracking.wandb_mode or $WANDB_MODE says otherwise. A resumed run continues the W&B
-run whose id <run>/tracking.json keeps (W&B ignores steps below the last it saw)."""
+run whose id its checkpoint carries (also in <run>/tracking.json). Every metric is plotted against
+`orbit/step`, a metric of Orbit's own, not W&B's internal step: W&B drops rows whose internal step is
+below the last it saw, and a checkpoint's row (or a resumed run's steps) can arrive after a later step."""
 
 from __future__ import annotations
 
@@ -22,9 +24,10 @@ def wandb_mode(configured: str | None) -> str:
     return configured or os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
 
 
-class WandbTracker:
-    needs_history = False
+STEP_METRIC = "orbit/step"
 
+
+class WandbTracker:
     def __init__(self, context: TrackingContext) -> None:
         import wandb
 
@@ -38,14 +41,18 @@ class WandbTracker:
                               id=run_id, resume="allow" if run_id else None, dir=str(context.run_dir), mode=mode,
                               config=context.spec_json, settings=wandb.Settings(console="off", silent=True))  # fmt: skip
         context.save_id("wandb", self.run.id)
+        # offline, W&B cannot continue a run: it starts a new local one (with the same id)
+        self.needs_history = not (self.run.resumed and mode == "online")
+        self.run.define_metric(STEP_METRIC)
+        self.run.define_metric("*", step_metric=STEP_METRIC)
         self.name = context.run.name
 
     def log_metrics(self, step: int, metrics: dict[str, float], timestamp: float) -> None:
-        self.run.log(metrics, step=step)
+        self.run.log({**metrics, STEP_METRIC: step})
 
     def log_samples(self, step: int, table: str, samples: list[dict]) -> None:
         columns, rows = sample_table(samples)
-        self.run.log({table: self.wandb.Table(columns=columns, data=rows)}, step=step)
+        self.run.log({table: self.wandb.Table(columns=columns, data=rows), STEP_METRIC: step})
 
     def log_artifact(self, path: Path) -> None:
         if path.is_dir():

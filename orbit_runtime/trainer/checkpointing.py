@@ -59,6 +59,7 @@ class TrainingState:
     python_rng: tuple
     metrics: list[dict]  # every row of metrics.jsonl so far (steps, evals, checkpoints)
     cuda_rng: list[torch.Tensor] = field(default_factory=list)  # one per CUDA device; empty on CPU
+    tracker_runs: dict[str, str] = field(default_factory=dict)  # {tracker: run id}: a resume continues those runs
 
 
 def write_checkpoint_files(dest: Path, policy, state: TrainingState) -> None:
@@ -84,6 +85,7 @@ def write_checkpoint_files(dest: Path, policy, state: TrainingState) -> None:
         "reward_errors": state.reward_errors,
         "config_hash": state.config_hash,
         "config_fields": state.config_fields,
+        "tracker_runs": state.tracker_runs,
     }
     (dest / STATE).write_text(json.dumps(scalars, indent=2))
     (dest / METRICS).write_text("".join(json.dumps(row) + "\n" for row in state.metrics))

@@ -69,6 +69,7 @@ from orbit_runtime.trainer.rollback import StepSnapshot
 from orbit_runtime.trainer.stopping import StopController, Stopped
 
 log = logging.getLogger(__name__)
+TRACKER_CLOSE_S = 10.0  # the least the trackers get to close at the end, even after a slow final checkpoint
 
 
 def loss_config(spec: JobSpec) -> LossConfig:
@@ -164,7 +165,6 @@ class Trainer:
         except BaseException:
             self.stop_roles()  # colocated: the engine was started to load the policy
             raise
-        self.recorder.open_trackers(self.state.step if self.state.resumed_from else None)
         removed = self.checkpoints.remove_torn()
         if removed:
             self.recorder.record({"kind": "checkpoint_cleanup", "removed_steps": removed})
@@ -203,6 +203,7 @@ class Trainer:
         state.step, state.adapter_version = saved.step, saved.adapter_version
         state.elapsed_before, state.reward_errors = saved.elapsed_seconds, saved.reward_errors
         state.resumed_from = self.checkpoints.plan.entry.uri
+        state.tracker_runs.update(saved.tracker_runs)
         self.paths.start_fresh(keep_samples=True)
         self.recorder.restore(saved.metrics)
         self.on_policy.restore(state.steps)
@@ -219,6 +220,7 @@ class Trainer:
             config_hash=self.config_hash, config_fields=self.config_fields,
             optimizer=self.optimizer.state_dict(), scheduler=self.scheduler.state_dict(),
             torch_rng=torch_rng, python_rng=python_rng, metrics=list(state.rows), cuda_rng=capture_cuda_rng(),
+            tracker_runs=dict(state.tracker_runs),
         )  # fmt: skip
 
     def checkpoint(self) -> None:
@@ -233,13 +235,15 @@ class Trainer:
             metrics.observe_checkpoint(self.recorder.record(event))
 
     def _shut_down(self, reason: str, interrupted: bool) -> dict:
-        """Checkpoint the last completed step (waiting a bounded time), write the summary and report.
-        Each part is attempted even if another fails (e.g. on a full disk), so the error that
-        stopped the run is the one the user sees; failures here are logged."""
+        """Checkpoint the last completed step, write the summary and report, close the trackers, all
+        within checkpoint.stop_timeout_s (one deadline: the pod's grace period is that plus 30 s). Each
+        part is attempted even if another fails (e.g. on a full disk), so the error that stopped the run
+        is the one the user sees; failures here are logged."""
         summary: dict = {}
-        for what, action in (("final checkpoint", lambda: self._finish_checkpoints(reason)),
+        deadline = time.monotonic() + self.spec.checkpoint.stop_timeout_s
+        for what, action in (("final checkpoint", lambda: self._finish_checkpoints(reason, deadline)),
                              ("summary", lambda: summary.update(self.write_summary(interrupted))),
-                             ("trackers", self._finish_trackers)):  # fmt: skip
+                             ("trackers", lambda: self._finish_trackers(deadline))):  # fmt: skip
             try:
                 action()
             except Exception as exc:
@@ -249,16 +253,18 @@ class Trainer:
             self.metrics_server.stop()
         return summary
 
-    def _finish_trackers(self) -> None:
-        warning = self.recorder.finish_trackers(self.phase, self.policy.save_adapter, self.spec.checkpoint.stop_timeout_s)
+    def _finish_trackers(self, deadline: float) -> None:
+        # what the checkpoint left of the deadline, and at least TRACKER_CLOSE_S (inside the pod's 30 s margin)
+        timeout = max(deadline - time.monotonic(), TRACKER_CLOSE_S)
+        warning = self.recorder.finish_trackers(self.phase, self.policy.save_adapter, timeout)
         if warning:
             self._say(f"[yellow]{warning}")
 
-    def _finish_checkpoints(self, reason: str) -> None:
-        """Checkpoint the last completed step (if not yet) and wait a bounded time for it to land."""
+    def _finish_checkpoints(self, reason: str, deadline: float) -> None:
+        """Checkpoint the last completed step (if not yet) and wait for it to land until DEADLINE."""
         if self.state.step > self.checkpoints.last_step:
             self.checkpoint()
-        warning = self.checkpoints.close(self.spec.checkpoint.stop_timeout_s)
+        warning = self.checkpoints.close(max(deadline - time.monotonic(), 0.0))
         if warning:
             self._say(f"[yellow]{warning} ({reason})")
         self._record_checkpoint_events()
@@ -419,6 +425,8 @@ class Trainer:
                 self._say(f"the checkpoint is at step {self.state.step}, max steps is {total}: nothing to train")
                 self.phase = "succeeded"
                 return self.write_summary(interrupted=False)
+            # opened here, not in __init__, so that the finally below always closes them
+            self.recorder.open_trackers(self.state.step if self.state.resumed_from else None)
             self.stop.interruptible = True
             self.start_roles()
             self.phase = "running"

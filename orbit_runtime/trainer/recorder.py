@@ -5,18 +5,22 @@ sent to the experiment trackers of run.report_to (orbit_runtime/tracking)."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 from dataclasses import dataclass, field
 
 from orbit_runtime.checkpoint.catalog import step_dir
 from orbit_runtime.learner.update import UpdateResult
+from orbit_runtime.redaction import mask_all, secret_values
 from orbit_runtime.run_paths import RunPaths
 from orbit_runtime.sync.adapter_sync import SyncResult
 from orbit_runtime.tracking import TrackerFanout, open_trackers
 from orbit_runtime.tracking.fanout import TrackingContext
 from orbit_runtime.trainer.batch import RolloutBatch
 from orbit_runtime.trainer.report import render_report
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -30,6 +34,7 @@ class RunState:
     rows: list[dict] = field(default_factory=list)  # every metrics.jsonl row (steps, evals, ...), for checkpoints
     reward_errors: int = 0
     resumed_from: str | None = None
+    tracker_runs: dict[str, str] = field(default_factory=dict)  # {tracker: its run id}, for a resume to continue
 
     @property
     def steps(self) -> list[dict]:
@@ -194,24 +199,36 @@ class RunRecorder:
         if spec is not None:
             paths.job_spec.write_text(spec.model_dump_json(indent=2))
 
+    def shareable_spec(self) -> dict | None:
+        """The job spec as JSON for what leaves the run directory (trackers, the report): every secret
+        environment value and every URL's user:password@ masked (a tracking URI, a reward's kwargs)."""
+        return mask_all(self.spec.model_dump(mode="json"), secret_values()) if self.spec is not None else None
+
     def open_trackers(self, resumed_step: int | None) -> None:
         """Start the trackers of run.report_to (after the run restored its checkpoint, if any: RESUMED_STEP);
-        OrbitError if one is not installed. A resumed run's curves so far go to trackers that start empty."""
+        OrbitError if one is not installed. The rows recorded so far (a resumed run's curves) go to tracker
+        runs that start empty."""
         run = self.spec.run
-        context = TrackingContext(run_dir=self.paths.root, output_dir=self.paths.root.parent, run=run,
-                                  spec_json=self.spec.model_dump(mode="json"), resumed_step=resumed_step)  # fmt: skip
         if resumed_step is None:
             (self.paths.root / "tracking.json").unlink(missing_ok=True)  # a new run: new tracker runs
-        self.trackers = open_trackers(context, list(self.state.rows) if resumed_step is not None else [])
+            self.state.tracker_runs.clear()
+        context = TrackingContext(run_dir=self.paths.root, output_dir=self.paths.root.parent, run=run,
+                                  spec_json=self.shareable_spec(), resumed_step=resumed_step,
+                                  run_ids=self.state.tracker_runs)  # fmt: skip
+        self.trackers = open_trackers(context, list(self.state.rows))
 
     def finish_trackers(self, phase: str, save_adapter, timeout_s: float) -> str | None:
         """Send the report and the final adapter (SAVE_ADAPTER(dir) writes it) and close the trackers with
-        the run's PHASE, waiting at most TIMEOUT_S; a warning when they did not finish."""
+        the run's PHASE, waiting at most TIMEOUT_S; a warning when they did not finish. The trackers are
+        closed even when the adapter could not be written."""
         if not self.trackers.names:
             return None
         artifacts = [self.paths.report, self.paths.summary]
         if save_adapter is not None:
-            artifacts.append(save_adapter(self.paths.final_adapter))
+            try:
+                artifacts.append(save_adapter(self.paths.final_adapter))
+            except Exception as exc:
+                log.error("could not write the final adapter for the trackers: %s: %s", type(exc).__name__, exc)
         return self.trackers.finish(phase, [a for a in artifacts if a.exists()], timeout_s)
 
     def record(self, row: dict) -> dict:
@@ -243,6 +260,5 @@ class RunRecorder:
 
     def write_summary(self, summary: dict) -> dict:
         self.paths.summary.write_text(json.dumps(summary, indent=2) + "\n")
-        config = self.spec.model_dump(mode="json") if self.spec is not None else None
-        self.paths.report.write_text(render_report(self.name, self.state.steps, self.state.evals, summary, config))
+        self.paths.report.write_text(render_report(self.name, self.state.steps, self.state.evals, summary, self.shareable_spec()))
         return summary

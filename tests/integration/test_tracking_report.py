@@ -21,7 +21,6 @@ ARTIFACTS = Path(os.environ.get("ORBIT_TEST_ARTIFACTS", Path(__file__).resolve()
 @pytest.fixture(scope="module")
 def tracked_run(tmp_path_factory, int4_dir) -> Path:
     tmp_path = tmp_path_factory.mktemp("tracked")
-    os.environ.pop("WANDB_API_KEY", None)  # offline: W&B writes its run files and uploads nothing
     job = {
         "model": {"path": str(int4_dir), "dtype": "fp16", "learner_dtype": "fp32"},
         "adapter": {"rank": 8, "alpha": 16},
@@ -31,7 +30,10 @@ def tracked_run(tmp_path_factory, int4_dir) -> Path:
         "eval": {"every_steps": 2},
         "run": {"name": "tracked", "output_dir": str(tmp_path / "runs"), "report_to": ["tensorboard", "mlflow", "wandb"]},
     }
-    return train_job(tmp_path, job)
+    with pytest.MonkeyPatch.context() as env:  # for `orbit train` only: the suite's environment is given back
+        env.delenv("WANDB_API_KEY", raising=False)
+        env.setenv("WANDB_MODE", "offline")  # W&B writes its run files and uploads nothing
+        return train_job(tmp_path, job)
 
 
 def _step_metrics(run: Path) -> dict[str, list[tuple[int, float]]]:

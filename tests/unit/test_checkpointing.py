@@ -105,6 +105,7 @@ def test_checkpoint_files_restore_policy_optimizer_scheduler_and_rng(int4_dir, t
         step=2, adapter_version=2, sampler={"size": 10, "seed": 0, "epoch": 0, "position": 8}, elapsed_seconds=1.5,
         reward_errors=1, config_hash="abc", config_fields={"a": 1}, optimizer=optimizer.state_dict(),
         scheduler=scheduler.state_dict(), torch_rng=torch_rng, python_rng=python_rng, metrics=[{"kind": "step", "step": 2}],
+        tracker_runs={"mlflow": "0a1b", "wandb": "x7y8"},
     )  # fmt: skip
     write_checkpoint_files(tmp_path / "ckpt", policy, state)
     expected_adapter = policy.adapter_state()
@@ -125,6 +126,7 @@ def test_checkpoint_files_restore_policy_optimizer_scheduler_and_rng(int4_dir, t
     assert all(torch.equal(moments[i]["exp_avg"], optimizer.state_dict()["state"][i]["exp_avg"]) for i in moments)
     assert torch.equal(torch.rand(3), expected_draw[0]) and random.random() == expected_draw[1]
     assert (loaded.step, loaded.adapter_version, loaded.sampler["position"], loaded.metrics) == (2, 2, 8, state.metrics)
+    assert loaded.tracker_runs == {"mlflow": "0a1b", "wandb": "x7y8"}  # a pod's resume continues its tracker runs
 
     wrong_rank = load_policy(int4_dir, AdapterSpec(rank=8, alpha=8, target_modules=["q_proj", "v_proj"]), dtype="fp32")
     with pytest.raises(ValueError, match="does not fit"):
