@@ -91,8 +91,8 @@ def test_the_portable_kernel_computes_the_int4_linear_from_vllms_layout(repacked
     if has_native_kernel():  # an AVX-512 CPU: the two kernels agree
         from vllm import _custom_ops as ops
 
-        native = torch.ops._C.cpu_gemm_wna16(x, packed, scale, None, bias, 8, "vec")
+        assert ops.cpu_gemm_wna16 is not portable_gemm_wna16  # vLLM's own wrapper of its op, not the fallback
+        native = ops.cpu_gemm_wna16(input=x, q_weight=packed, scales=scale, zeros=None, bias=bias, pack_factor=8, isa_hint="vec")
         torch.testing.assert_close(y.float(), native.float(), rtol=1e-2, atol=1e-2)
-        assert ops.cpu_gemm_wna16 is not portable_gemm_wna16
     with pytest.raises(NotImplementedError, match="zero points"):
         portable_gemm_wna16(input=x, q_weight=packed, scales=scale, zeros=torch.zeros(1), bias=None, pack_factor=8)
