@@ -317,7 +317,10 @@ class CheckpointSpec(Section):
     retries: int = Field(4, ge=0, description="Retries per storage request (exponential backoff) before a checkpoint attempt fails; "
                          "a failed checkpoint is retried later while training goes on.")  # fmt: skip
     stop_timeout_s: float = Field(
-        60.0, gt=0, description="On SIGTERM/Ctrl-C and at the end, wait at most this long for the last checkpoint."
+        60.0,
+        gt=0,
+        description="On SIGTERM/Ctrl-C and at the end, wait at most this long for the last checkpoint and the experiment "
+        "trackers together (the trackers get at least 10 s). A pod's grace period is this plus 30 s.",
     )
 
     @field_validator("uri")

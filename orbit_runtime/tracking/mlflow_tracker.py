@@ -47,7 +47,6 @@ class MlflowTracker:
         self.needs_history = run_id is None or not self._exists(run_id)  # a new MLflow run starts empty
         if self.needs_history:
             run_id = self.client.create_run(experiment_id, run_name=context.run.name).info.run_id
-            context.save_id("mlflow", run_id)
         else:
             self.client.update_run(run_id, status="RUNNING")
         self.run_id = run_id
@@ -57,19 +56,20 @@ class MlflowTracker:
                 for i in range(0, len(params), BATCH):
                     self.client.log_batch(run_id, params=params[i : i + BATCH])
             self.client.log_dict(run_id, context.spec_json, "job.json")
+            context.save_id("mlflow", run_id)  # only a run that got its params is one to continue
         except Exception:
             with contextlib.suppress(Exception):  # the first error is the one to report
                 self.client.set_terminated(run_id, "FAILED")  # not left RUNNING by a tracker that never opened
             raise
 
     def _exists(self, run_id: str) -> bool:
-        """Whether the store has RUN_ID; only MLflow's 'does not exist' means no (a store that is down raises)."""
+        """Whether the store has RUN_ID, not deleted; only MLflow's 'does not exist' means no (a store that is
+        down raises)."""
         from mlflow.exceptions import MlflowException
         from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, ErrorCode
 
         try:
-            self.client.get_run(run_id)
-            return True
+            return self.client.get_run(run_id).info.lifecycle_stage == "active"
         except MlflowException as exc:
             if exc.error_code == ErrorCode.Name(RESOURCE_DOES_NOT_EXIST):
                 return False

@@ -41,8 +41,7 @@ class WandbTracker:
                               id=run_id, resume="allow" if run_id else None, dir=str(context.run_dir), mode=mode,
                               config=context.spec_json, settings=wandb.Settings(console="off", silent=True))  # fmt: skip
         context.save_id("wandb", self.run.id)
-        # offline, W&B cannot continue a run: it starts a new local one (with the same id)
-        self.needs_history = not (self.run.resumed and mode == "online")
+        self.needs_history = not self.run.resumed  # offline: never resumed, a new local run (with the same id)
         self.run.define_metric(STEP_METRIC)
         self.run.define_metric("*", step_metric=STEP_METRIC)
         self.name = context.run.name

@@ -47,6 +47,11 @@ class CheckpointManager:
         return self.catalog.uri
 
     @property
+    def resumes_own_run(self) -> bool:
+        """Whether the planned checkpoint is one of this run's own (not --resume-from another run's)."""
+        return self.plan.catalog is not None and self.plan.catalog.uri.rstrip("/") == self.catalog.uri.rstrip("/")
+
+    @property
     def stats(self) -> WriterStats:
         return self.writer.stats
 

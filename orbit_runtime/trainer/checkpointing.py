@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -98,8 +98,9 @@ def read_checkpoint_files(src: Path) -> TrainingState:
     tensors = torch.load(src / TRAINER_STATE, weights_only=True, map_location="cpu")  # written on a GPU, read anywhere
     metrics = [json.loads(line) for line in (src / METRICS).read_text().splitlines() if line.strip()]
     python_rng = tensors["python_rng"]
+    known = {f.name for f in fields(TrainingState)}  # a newer Orbit's extra fields are not this one's
     return TrainingState(
-        **scalars,
+        **{k: v for k, v in scalars.items() if k in known},
         optimizer=tensors["optimizer"],
         scheduler=tensors["scheduler"],
         torch_rng=tensors["torch_rng"],

@@ -9,7 +9,8 @@ step's. Held-out prompts are scored greedily at the start, every `eval.every_ste
 the end.
 
 The parts, each in its own module: batch (generate + score), learner.update (the
-update), roles (supervised rollout and reference servers), evaluation, checkpoint_manager,
+update), roles (supervised rollout and reference servers), evaluation, checkpoint_manager and
+resume_and_shutdown,
 stopping (signals), rollback, recorder (metrics rows, samples, summary, report).
 """
 
@@ -51,25 +52,17 @@ from orbit_runtime.sync.memory_adapter import InMemoryAdapter
 from orbit_runtime.tracking.fanout import check_installed
 from orbit_runtime.trainer.batch import BatchBuilder, RolloutBatch, canary_pairs
 from orbit_runtime.trainer.checkpoint_manager import CheckpointManager
-from orbit_runtime.trainer.checkpointing import (
-    TrainingState,
-    capture_cuda_rng,
-    capture_rng,
-    checkpoint_score,
-    restore_cuda_rng,
-    restore_rng,
-)
 from orbit_runtime.trainer.colocated import ColocatedBase, load_colocated
 from orbit_runtime.trainer.episodes import episode_runner
-from orbit_runtime.trainer.evaluation import Evaluator, describe_eval, heldout_summary
+from orbit_runtime.trainer.evaluation import Evaluator, describe_eval
 from orbit_runtime.trainer.on_policy import OffPolicy, OnPolicyGuard
 from orbit_runtime.trainer.recorder import RunRecorder, RunState, sample_rows, signal_health, status_document, step_row
+from orbit_runtime.trainer.resume_and_shutdown import CheckpointsAndShutdown
 from orbit_runtime.trainer.roles import DecodeCanary, ExternalRoles, ReferenceRole, RolloutRole, rollout_server_config
 from orbit_runtime.trainer.rollback import StepSnapshot
 from orbit_runtime.trainer.stopping import StopController, Stopped
 
 log = logging.getLogger(__name__)
-TRACKER_CLOSE_S = 10.0  # the least the trackers get to close at the end, even after a slow final checkpoint
 
 
 def loss_config(spec: JobSpec) -> LossConfig:
@@ -88,8 +81,9 @@ def loss_config(spec: JobSpec) -> LossConfig:
     )
 
 
-class Trainer:
-    """One run of the RL loop. RESUME/RESUME_FROM: see checkpointing.plan_resume."""
+class Trainer(CheckpointsAndShutdown):
+    """One run of the RL loop. RESUME/RESUME_FROM: see checkpointing.plan_resume. Its checkpoints and
+    the end of a run are trainer/resume_and_shutdown.py's."""
 
     def __init__(self, spec: JobSpec, console=None, *, resume: bool = False, resume_from: str | None = None,
                  external: ExternalRoles | None = None) -> None:  # fmt: skip
@@ -187,87 +181,6 @@ class Trainer:
         self._say(f"placement colocated: the learner computes on the rollout engine's base ({attached.arena.size / 2**20:.1f} MiB, "
                   f"one copy, sealed read-only; vLLM's {attached.meta['kernel']} {attached.meta['isa_hint']})")  # fmt: skip
         return policy
-
-    # ---- checkpoints ---------------------------------------------------------------------
-    def _restore(self) -> None:
-        """Continue from the planned checkpoint (learner, data cursor, RNG, counters, curves), if any."""
-        started = time.monotonic()
-        saved = self.checkpoints.restore(self.policy, self.optimizer, self.scheduler, len(self.splits.train))
-        if saved is None:
-            self.paths.start_fresh()
-            return
-        self.sampler = PromptSampler.from_state(saved.sampler)
-        restore_rng(saved.torch_rng, saved.python_rng)
-        restore_cuda_rng(saved.cuda_rng)
-        state = self.state
-        state.step, state.adapter_version = saved.step, saved.adapter_version
-        state.elapsed_before, state.reward_errors = saved.elapsed_seconds, saved.reward_errors
-        state.resumed_from = self.checkpoints.plan.entry.uri
-        state.tracker_runs.update(saved.tracker_runs)
-        self.paths.start_fresh(keep_samples=True)
-        self.recorder.restore(saved.metrics)
-        self.on_policy.restore(state.steps)
-        self._first_step_report = {"kind": "resume", "from": state.resumed_from, "from_step": saved.step,
-                                   "restore_seconds": time.monotonic() - started}  # fmt: skip
-        self._say(self.checkpoints.plan.note)
-
-    def _training_state(self) -> TrainingState:
-        torch_rng, python_rng = capture_rng()
-        state = self.state
-        return TrainingState(
-            step=state.step, adapter_version=state.adapter_version, sampler=self.sampler.state_dict(),
-            elapsed_seconds=state.wall_seconds, reward_errors=state.reward_errors,
-            config_hash=self.config_hash, config_fields=self.config_fields,
-            optimizer=self.optimizer.state_dict(), scheduler=self.scheduler.state_dict(),
-            torch_rng=torch_rng, python_rng=python_rng, metrics=list(state.rows), cuda_rng=capture_cuda_rng(),
-            tracker_runs=dict(state.tracker_runs),
-        )  # fmt: skip
-
-    def checkpoint(self) -> None:
-        """Checkpoint the state after the last completed step (staged here, uploaded in the background)."""
-        state = self.state
-        since = [r for r in state.steps if r["step"] > self.checkpoints.last_step]
-        score = checkpoint_score(self.spec.checkpoint.best_metric, since, state.evals[-1] if state.evals else None)
-        self.checkpoints.save(self.policy, self._training_state(), score)
-
-    def _record_checkpoint_events(self) -> None:
-        for event in self.checkpoints.events():
-            metrics.observe_checkpoint(self.recorder.record(event))
-
-    def _shut_down(self, reason: str, interrupted: bool) -> dict:
-        """Checkpoint the last completed step, write the summary and report, close the trackers, all
-        within checkpoint.stop_timeout_s (one deadline: the pod's grace period is that plus 30 s). Each
-        part is attempted even if another fails (e.g. on a full disk), so the error that stopped the run
-        is the one the user sees; failures here are logged."""
-        summary: dict = {}
-        deadline = time.monotonic() + self.spec.checkpoint.stop_timeout_s
-        for what, action in (("final checkpoint", lambda: self._finish_checkpoints(reason, deadline)),
-                             ("summary", lambda: summary.update(self.write_summary(interrupted))),
-                             ("trackers", lambda: self._finish_trackers(deadline))):  # fmt: skip
-            try:
-                action()
-            except Exception as exc:
-                log.error("could not write the %s (%s): %s: %s", what, reason, type(exc).__name__, exc)
-        metrics.LEARNER_UP.set(0)
-        if self.metrics_server:
-            self.metrics_server.stop()
-        return summary
-
-    def _finish_trackers(self, deadline: float) -> None:
-        # what the checkpoint left of the deadline, and at least TRACKER_CLOSE_S (inside the pod's 30 s margin)
-        timeout = max(deadline - time.monotonic(), TRACKER_CLOSE_S)
-        warning = self.recorder.finish_trackers(self.phase, self.policy.save_adapter, timeout)
-        if warning:
-            self._say(f"[yellow]{warning}")
-
-    def _finish_checkpoints(self, reason: str, deadline: float) -> None:
-        """Checkpoint the last completed step (if not yet) and wait for it to land until DEADLINE."""
-        if self.state.step > self.checkpoints.last_step:
-            self.checkpoint()
-        warning = self.checkpoints.close(max(deadline - time.monotonic(), 0.0))
-        if warning:
-            self._say(f"[yellow]{warning} ({reason})")
-        self._record_checkpoint_events()
 
     # ---- roles ---------------------------------------------------------------------------
     def start_roles(self) -> None:
@@ -421,12 +334,13 @@ class Trainer:
         interrupted = False
         self._start_metrics()
         try:
+            # opened here, not in __init__, so that the finally below always closes them (nothing to train
+            # included: a run that died after its last step still finishes its tracker runs)
+            self.recorder.open_trackers(self.state.step if self.state.resumed_from else None)
             if self.state.step >= total:
                 self._say(f"the checkpoint is at step {self.state.step}, max steps is {total}: nothing to train")
                 self.phase = "succeeded"
                 return self.write_summary(interrupted=False)
-            # opened here, not in __init__, so that the finally below always closes them
-            self.recorder.open_trackers(self.state.step if self.state.resumed_from else None)
             self.stop.interruptible = True
             self.start_roles()
             self.phase = "running"
@@ -503,34 +417,6 @@ class Trainer:
         self.stop.interruptible = True
         if state.step % self.spec.eval.every_steps == 0 and state.step < total:
             self.evaluate()
-
-    def write_summary(self, interrupted: bool) -> dict:
-        stats = self.checkpoints.stats
-        return self.recorder.write_summary({
-            **heldout_summary(self.state.evals, self.spec.eval.samples),
-            "steps": self.state.step,
-            "wall_seconds": round(self.state.wall_seconds, 1),
-            "adapter_version": self.state.adapter_version,
-            "rollout_restarts": self.rollout.restarts,
-            "reference_restarts": self.reference.restarts,
-            "canary_failures": self.rollout.canary_failures,
-            "reward_errors": self.state.reward_errors,
-            "interrupted": interrupted,
-            "resumed_from": self.state.resumed_from,
-            "checkpoint_uri": self.checkpoints.uri,
-            "last_checkpoint_step": stats.last_success_step,
-            "checkpoint_failures": stats.failures,
-            "stop_reason": self.stop_reason,
-            "canary_noise_floor": self.rollout.noise_floor,
-            "canary_inconclusive_syncs": sum(1 for r in self.state.steps if r.get("canary_verdict") == "inconclusive"),
-            "on_policy": self.on_policy.health(),
-            "placement": self.spec.placement,
-            "learner_private_base_bytes": self._private_base_bytes(),
-            **({"shared_base_unchanged": self.shared_base.unchanged(), "shared_base_attaches": self.shared_base.attaches,
-                "shared_base_engine_on_shared_pages": self.shared_base.engine_on_shared_pages,
-                "shared_base_bytes": self.shared_base.attached.arena.size if self.shared_base.attached else None}
-               if self.shared_base else {}),
-        })  # fmt: skip
 
     def _say(self, text: str) -> None:
         """A line for the user: on the console when there is one, else in the log."""

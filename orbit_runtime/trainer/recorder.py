@@ -217,10 +217,10 @@ class RunRecorder:
                                   run_ids=self.state.tracker_runs)  # fmt: skip
         self.trackers = open_trackers(context, list(self.state.rows))
 
-    def finish_trackers(self, phase: str, save_adapter, timeout_s: float) -> str | None:
+    def finish_trackers(self, phase: str, save_adapter, deadline: float) -> str | None:
         """Send the report and the final adapter (SAVE_ADAPTER(dir) writes it) and close the trackers with
-        the run's PHASE, waiting at most TIMEOUT_S; a warning when they did not finish. The trackers are
-        closed even when the adapter could not be written."""
+        the run's PHASE, by DEADLINE (time.monotonic(); writing the adapter counts); a warning when they did
+        not finish. The trackers are closed even when the adapter could not be written."""
         if not self.trackers.names:
             return None
         artifacts = [self.paths.report, self.paths.summary]
@@ -229,7 +229,7 @@ class RunRecorder:
                 artifacts.append(save_adapter(self.paths.final_adapter))
             except Exception as exc:
                 log.error("could not write the final adapter for the trackers: %s: %s", type(exc).__name__, exc)
-        return self.trackers.finish(phase, [a for a in artifacts if a.exists()], timeout_s)
+        return self.trackers.finish(phase, [a for a in artifacts if a.exists()], max(0.0, deadline - time.monotonic()))
 
     def record(self, row: dict) -> dict:
         """Append ROW (time-stamped) to metrics.jsonl and to the rows a checkpoint carries; returns it."""

@@ -150,3 +150,22 @@ def test_new_settings_at_their_defaults_keep_earlier_checkpoints_resumable():
     assert config_hash(training_fields(guarded, base_digest="abc")) == "cbd4664e74e70290"
     masked = spec.model_copy(update={"rollout": spec.rollout.model_copy(update={"truncated": "mask"})})
     assert config_hash(training_fields(masked, base_digest="abc")) != "cbd4664e74e70290"
+
+
+def test_only_a_resume_of_the_runs_own_checkpoint_continues_its_tracker_runs(tmp_path):
+    from orbit_runtime.trainer.checkpoint_manager import CheckpointManager
+
+    def manager(name: str, resume_from: str | None = None) -> CheckpointManager:
+        spec = _spec(run={"name": name, "output_dir": str(tmp_path / "runs")})
+        fields = training_fields(spec)
+        return CheckpointManager(spec, tmp_path / name / "staging", config_hash(fields), fields, resume=False,
+                                 resume_from=resume_from)  # fmt: skip
+
+    first = manager("a")
+    fields = training_fields(_spec(run={"name": "a", "output_dir": str(tmp_path / "runs")}))
+    _fake_checkpoint(first.catalog, tmp_path, 3, fields)
+    assert manager("a").resumes_own_run  # the same run, restarted: the same MLflow/W&B runs
+    assert manager("a", resume_from=f"{first.uri}/step-00000003").resumes_own_run  # its own, named explicitly
+    branch = manager("b", resume_from=f"{first.uri}/step-00000003")
+    assert branch.plan.entry.step == 3 and not branch.resumes_own_run  # a branch must not write into run a's tracker runs
+    assert not manager("c").resumes_own_run  # nothing to resume

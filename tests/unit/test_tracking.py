@@ -120,8 +120,10 @@ def test_a_tracker_that_is_not_installed_stops_the_run_before_it_starts(monkeypa
     check_installed(["tensorboard", "mlflow"])
 
 
-def test_a_resume_continues_the_tracker_run_its_checkpoint_names_or_starts_one_with_the_curves_so_far(tmp_path):
+def test_a_resume_continues_the_tracker_run_its_checkpoint_names_or_starts_one_with_the_curves_so_far(tmp_path, monkeypatch):
     from mlflow.tracking import MlflowClient
+
+    monkeypatch.chdir(tmp_path)  # a configured store's new experiment keeps artifacts in ./mlruns (MLflow's default)
 
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
     ids: dict = {}  # what the run's checkpoints carry (RunState.tracker_runs)
@@ -210,7 +212,7 @@ def test_what_leaves_the_run_directory_has_its_credentials_masked_and_a_failed_a
     def full_disk(_dir):
         raise OSError(28, "No space left on device")
 
-    assert recorder.finish_trackers("succeeded", full_disk, timeout_s=60) is None  # closed all the same
+    assert recorder.finish_trackers("succeeded", full_disk, deadline=time.monotonic() + 60) is None  # closed all the same
     events = EventAccumulator(str(paths.root / "tensorboard"))
     events.Reload()
     assert [e.step for e in events.Scalars("step/reward_mean")] == [1]
