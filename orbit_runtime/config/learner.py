@@ -45,6 +45,12 @@ class LearnerSpec(BaseModel):
     micro_batch_size: int | None = Field(
         None, ge=1, description="Most sequences per micro-batch (null: no limit besides micro_batch_tokens)."
     )
+    pin_malloc_threshold: bool = Field(
+        True,
+        description="Pin glibc's mmap threshold at 128 KiB in the learner process, so the step's freed temporaries go "
+        "back to the OS instead of staying in the heap (glibc raises the threshold after large frees). "
+        "benchmarks/memory.py measures the peak and the step time both ways. No effect off glibc.",
+    )
 
 
 # Positions whose logits the learner's log-softmax holds at once (learner/token_logprobs.py;

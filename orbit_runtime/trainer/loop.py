@@ -35,6 +35,7 @@ from orbit_runtime.data.datasets import load_splits
 from orbit_runtime.data.sampler import PromptSampler
 from orbit_runtime.errors import OrbitError
 from orbit_runtime.int4.base_digest import read_base_digest
+from orbit_runtime.learner.allocator import pin_mmap_threshold
 from orbit_runtime.learner.device import resolve_device
 from orbit_runtime.learner.micro_batches import MicroBatchLimits
 from orbit_runtime.learner.model import Policy, load_policy, parse_dtype
@@ -92,6 +93,8 @@ class Trainer(CheckpointsAndShutdown):
         # where a (re)start's seconds go, reported with the first step after a resume (benchmarks/recovery.py)
         self.startup_seconds = {"process_start_to_init": process_age_seconds()}
         self.spec, self.console = spec, console
+        if spec.learner.pin_malloc_threshold:
+            pin_mmap_threshold()  # before the base loads: freed step temporaries go back to the OS
         check_installed(spec.run.report_to)  # a tracker's missing extra stops the run here, not hours in
         external = external or ExternalRoles()
         self.paths = RunPaths(Path(spec.run.output_dir) / spec.run.name, external.adapters_dir).create()
