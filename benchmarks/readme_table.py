@@ -62,18 +62,22 @@ def memory_rows() -> list[str]:
     if result is None:
         return []
     gib = 2**30
-    rows = [
-        f"| peak memory of one training step (fwd+bwd+AdamW), {result['model_params'] / 1e6:.0f}M-param model, "
-        f"{result['batch']}×{result['seq_len']} tokens | {result['orbit_peak_bytes'] / gib:.2f} GiB | "
-        f"{result['full_ft_peak_bytes'] / gib:.2f} GiB (full-parameter bf16 FT) | **{result['ratio']:.1f}×** | {_source('memory.json', result)} |"
+    peak, dynamic = result["peak_bytes"], result["orbit_glibc_dynamic_threshold"]
+    measured = result.get("measured_micro_batches")
+    total = result["runs"]["orbit"]["micro_batches"] if "runs" in result else None
+    shape = (f"{result['model_params'] / 1e6:.0f}M-param model, {result['prompts']}×{result['group']}×{result['seq_len']:,} "
+             f"tokens micro-batched by {result['micro_batch_tokens']:,}"
+             + (f" ({measured} of {total} micro-batches measured)" if measured else ""))  # fmt: skip
+    return [
+        f"| peak memory of one RL learner step (fwd+bwd+clip+AdamW), {shape} | {peak['orbit'] / gib:.2f} GiB (INT4 base + LoRA) | "
+        f"{peak['lora_bf16'] / gib:.2f} GiB (bf16 base + the same LoRA) | **{result['ratio_lora_bf16_over_orbit']:.1f}×** | "
+        f"{_source('memory.json', result)} |",
+        f"| same, vs full-parameter bf16 FT | {peak['orbit'] / gib:.2f} GiB | {peak['full_ft'] / gib:.2f} GiB | "
+        f"**{result['ratio_full_ft_over_orbit']:.1f}×** | same file |",
+        f"| Orbit's step with glibc's default (dynamic) malloc threshold instead of the pinned one it runs with | "
+        f"{dynamic['peak_bytes'] / gib:.2f} GiB | {peak['orbit'] / gib:.2f} GiB (pinned) | "
+        f"{dynamic['peak_ratio_dynamic_over_pinned']:.1f}× (pinned takes {dynamic['seconds_ratio_pinned_over_dynamic']:.2f}× the time) | same file |",
     ]
-    dynamic = result.get("glibc_dynamic_threshold")
-    if dynamic:
-        rows.append(
-            f"| same, glibc's default (dynamic) malloc threshold | {dynamic['orbit_peak_bytes'] / gib:.2f} GiB | "
-            f"{dynamic['full_ft_peak_bytes'] / gib:.2f} GiB | {dynamic['ratio']:.1f}× | same file |"
-        )
-    return rows
 
 
 def _workload_env(result: dict, name: str) -> dict:

@@ -4,8 +4,8 @@ glibc serves allocations above its mmap threshold (128 KiB) with mmap and return
 on free, but after a large free it raises the threshold (up to 32 MiB) so that later blocks of
 that size come from the heap, where a free keeps them. A training step frees and reallocates
 per-layer temporaries of tens of MiB, so the learner's resident memory grows to what the
-allocator retains, not what tensors hold: benchmarks/memory.py measured the INT4 learner's step
-peak 1.9x higher with glibc's dynamic threshold than with it pinned. Pinning it (mallopt's
+allocator retains, not what tensors hold (benchmarks/memory.py measures the learner's step peak
+both ways; the README's table has the figures). Pinning it (mallopt's
 M_MMAP_THRESHOLD, which also turns the dynamic adjustment off; the same as starting the process
 with MALLOC_MMAP_THRESHOLD_=131072) costs mmap/munmap calls for those blocks; the benchmark
 records the step time both ways.
