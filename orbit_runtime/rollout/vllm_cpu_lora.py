@@ -79,15 +79,16 @@ class SingleAdapterPunicaWrapperCPU(PunicaWrapperCPU):
             y[:, y_offset : y_offset + y_slice_size] = out
 
 
-_stock_get_punica_wrapper: list = []  # vLLM's own classmethod, kept by the first install()
+_stock_get_punica_wrapper = None  # vLLM's own classmethod, kept by the first install()
 
 
 def install() -> None:
     """Make vLLM's CPU platform build this wrapper (vLLM resolves the wrapper's qualified name when LoRA starts)."""
+    global _stock_get_punica_wrapper
     from vllm.platforms.cpu import CpuPlatform
 
-    if not _stock_get_punica_wrapper:
-        _stock_get_punica_wrapper.append(CpuPlatform.__dict__["get_punica_wrapper"])
+    if _stock_get_punica_wrapper is None:
+        _stock_get_punica_wrapper = CpuPlatform.__dict__["get_punica_wrapper"]
     CpuPlatform.get_punica_wrapper = classmethod(lambda cls: QUALNAME)
 
 
@@ -96,5 +97,5 @@ def uninstall() -> None:
     starts an engine with it turned off: an in-process engine after another, or a test)."""
     from vllm.platforms.cpu import CpuPlatform
 
-    if _stock_get_punica_wrapper:
-        CpuPlatform.get_punica_wrapper = _stock_get_punica_wrapper[0]
+    if _stock_get_punica_wrapper is not None:
+        CpuPlatform.get_punica_wrapper = _stock_get_punica_wrapper

@@ -55,7 +55,7 @@ class TrackingContext:
     def save_id(self, tracker: str, run_id: str) -> None:
         self.run_ids[tracker] = run_id
         path = self.run_dir / "tracking.json"
-        path.write_text(json.dumps({**self.ids(), tracker: run_id}, indent=2) + "\n")
+        path.write_text(json.dumps(self.ids(), indent=2) + "\n")  # RUN_IDS (updated above) win in ids()
 
 
 class Tracker(Protocol):

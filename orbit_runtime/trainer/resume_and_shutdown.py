@@ -4,7 +4,8 @@ trackers) within checkpoint.stop_timeout_s.
 
 A part of Trainer (trainer/loop.py), kept apart because it is one concern: it reads the
 trainer's spec, policy, optimizer, scheduler, sampler, state, checkpoints, recorder, rollout,
-reference, on_policy and shared_base, and sets nothing but the run's state.
+reference, on_policy and shared_base; a restore sets the run's state, its sampler and the resume
+report the first step after it records.
 """
 
 from __future__ import annotations
