@@ -157,7 +157,7 @@ def trl_worker(name: str, dense: Path, steps: int, out: Path, config: str) -> di
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from orbit_runtime.config.spec import SyntheticArithmeticData
+    from orbit_runtime.config.prompt_data import SyntheticArithmeticData
     from orbit_runtime.data.datasets import arithmetic_splits
     from orbit_runtime.rewards.builtin import exact_match
 

@@ -19,7 +19,8 @@ from pydantic import ValidationError
 
 from orbit_operator.crd import GROUP, KIND, VERSION
 from orbit_operator.job_spec import RLTrainingJobSpec
-from orbit_runtime.config.spec import FileData, RunSpec
+from orbit_runtime.config.prompt_data import FileData
+from orbit_runtime.config.run_outputs import RunSpec
 
 MAX_BYTES = 1 << 20  # a job manifest is a few KiB; 1 MiB is generous
 MAX_DEPTH = 32

@@ -9,17 +9,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from orbit_runtime.config.adapter import AdapterSpec
 from orbit_runtime.config.code_data import HumanEvalData, SyntheticCodeData
 from orbit_runtime.config.environment import BfclData, EnvironmentData, EnvironmentSpec
 from orbit_runtime.config.learner import LearnerSpec
 from orbit_runtime.config.moe import MoeSpec
+from orbit_runtime.config.prompt_data import FileData, SyntheticArithmeticData
 from orbit_runtime.config.run_outputs import MetricsSpec, RunSpec
 from orbit_runtime.config.storage_uri import validate_storage_uri
-from orbit_runtime.errors import OrbitError
 
 
 class Section(BaseModel):
@@ -104,44 +103,6 @@ class AlgorithmSpec(Section):
         "minibatches; each has its own loss normalisers). With more than one step per batch the ratios move off 1 "
         "and clipping acts. Old log-probs are those of the policy before the batch's first step.",
     )
-
-
-class SyntheticArithmeticData(Section):
-    """Generated `a op b` problems; the answer is checked exactly."""
-
-    type: Literal["synthetic_arithmetic"] = Field(
-        "synthetic_arithmetic", description="synthetic_arithmetic, jsonl, parquet, humaneval or synthetic_code: which kind of data (and fields) this is."
-    )
-    operations: list[Literal["+", "-", "*"]] = Field(
-        default_factory=lambda: ["+"], min_length=1, description="Operators drawn from (+, -, *)."
-    )
-    min_value: int = Field(0, description="Operands are drawn from [min_value, max_value].")
-    max_value: int = Field(9, description="Operands are drawn from [min_value, max_value].")
-    right_values: list[int] | None = Field(
-        None, min_length=1, description="If set, the right operand takes only these values (e.g. [10] for 'n*10')."
-    )
-    train_size: int = Field(2000, ge=1, description="Training problems generated.")
-    validation_size: int = Field(64, ge=1, description="Held-out problems (or rows).")
-    seed: int = Field(0, description="Seed of the generated problems.")
-    template: str = Field("What is {question}?", description="Prompt text; {question} is replaced by e.g. '3+4'.")
-
-    @model_validator(mode="after")
-    def validate_range(self) -> SyntheticArithmeticData:
-        if self.max_value < self.min_value:
-            raise ValueError(f"max_value ({self.max_value}) must be >= min_value ({self.min_value})")
-        return self
-
-
-class FileData(Section):
-    """Prompts from a local JSONL or Parquet file."""
-
-    type: Literal["jsonl", "parquet"] = Field(description="The file's format.")
-    path: str = Field(description="The prompts file (in a cluster: relative to the base's PVC).")
-    validation_path: str | None = Field(None, description="Held-out prompts; default: the last validation_size rows of path.")
-    validation_size: int = Field(64, ge=1, description="Held-out problems (or rows).")
-    prompt_field: str = Field("prompt", description="The row's field holding the prompt.")
-    answer_field: str = Field("answer", description="The row's field holding the reference answer.")
-    template: str | None = Field(None, description="Python format string over the row's fields; default: the prompt field as is.")
 
 
 DataSpec = Annotated[
@@ -432,54 +393,3 @@ class JobSpec(Section):
     def checkpoint_uri(self) -> str:
         """checkpoint.uri, or the run directory's checkpoints/ folder."""
         return self.checkpoint.uri or f"file://{Path(self.run.output_dir).resolve() / self.run.name / 'checkpoints'}"
-
-
-def format_validation_error(error: ValidationError, source: str) -> str:
-    """One line per problem, each naming the field by its dotted path."""
-    lines = [f"{source}: invalid job spec"]
-    for item in error.errors():
-        loc = item["loc"]  # pydantic puts the data type's tag after "data": data.<tag>.field
-        path = ".".join(str(p) for i, p in enumerate(loc) if not (i == 1 and loc[0] == "data" and isinstance(p, str)))
-        lines.append(f"  {path or '(top level)'}: {item['msg']}")
-    return "\n".join(lines)
-
-
-def parse_job_spec(data: Any, source: str = "config") -> JobSpec:
-    """Validate a dict (from YAML or a CR's spec) into a JobSpec; OrbitError names each bad field."""
-    if not isinstance(data, dict):
-        raise OrbitError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
-    try:
-        return JobSpec.model_validate(data)
-    except ValidationError as exc:
-        raise OrbitError(format_validation_error(exc, source)) from None
-
-
-def load_job_spec(path: Path) -> JobSpec:
-    """Read and validate a YAML job file; relative model/data paths resolve against its folder."""
-    path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise OrbitError(f"{path}: no such file") from None
-    except yaml.YAMLError as exc:
-        raise OrbitError(f"{path}: not valid YAML ({exc})") from None
-    spec = parse_job_spec(data, str(path))
-    return resolve_paths(spec, path.parent)
-
-
-def resolve_paths(spec: JobSpec, base: Path) -> JobSpec:
-    """Make model, data and output paths absolute relative to BASE (the config file's folder)."""
-
-    def absolute(value: str) -> str:
-        return value if Path(value).is_absolute() else str((base / value).resolve())
-
-    update: dict[str, Any] = {
-        "model": spec.model.model_copy(update={"path": absolute(spec.model.path)}),
-        "run": spec.run.model_copy(update={"output_dir": absolute(spec.run.output_dir)}),
-    }
-    if isinstance(spec.data, FileData):
-        data_update = {"path": absolute(spec.data.path)}
-        if spec.data.validation_path:
-            data_update["validation_path"] = absolute(spec.data.validation_path)
-        update["data"] = spec.data.model_copy(update=data_update)
-    return spec.model_copy(update=update)

@@ -11,7 +11,7 @@ from typing import Any
 
 from orbit_runtime.config.code_data import HumanEvalData, SyntheticCodeData
 from orbit_runtime.config.environment import BfclData, EnvironmentData
-from orbit_runtime.config.spec import FileData, SyntheticArithmeticData
+from orbit_runtime.config.prompt_data import FileData, SyntheticArithmeticData
 from orbit_runtime.data.code_tasks import humaneval_splits, synthetic_code_splits
 from orbit_runtime.errors import OrbitError
 

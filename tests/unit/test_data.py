@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from orbit_runtime.config.spec import FileData, SyntheticArithmeticData
+from orbit_runtime.config.prompt_data import FileData, SyntheticArithmeticData
 from orbit_runtime.data.datasets import arithmetic_splits, file_splits
 from orbit_runtime.data.sampler import PromptSampler
 from orbit_runtime.errors import OrbitError

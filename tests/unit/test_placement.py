@@ -10,7 +10,7 @@ import yaml
 from orbit_operator.pod import SHARE_DIR_ENV, build_pod
 from orbit_operator.settings import OperatorSettings
 from orbit_operator.validation import validate_job
-from orbit_runtime.config.spec import parse_job_spec
+from orbit_runtime.config import parse_job_spec
 from orbit_runtime.errors import OrbitError
 from orbit_runtime.rollout.server import WORKER_EXTENSION, VLLMServerConfig
 from orbit_runtime.shared_base import transport
