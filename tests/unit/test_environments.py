@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from orbit_runtime.algorithms.mismatch import measure_mismatch
-from orbit_runtime.config.environment import EnvironmentSpec
 from orbit_runtime.config import parse_job_spec
+from orbit_runtime.config.environment import EnvironmentSpec
 from orbit_runtime.data.datasets import Example
 from orbit_runtime.environments.base import Environment, EnvReply, EpisodeState
 from orbit_runtime.environments.calculator import calculator
