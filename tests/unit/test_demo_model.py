@@ -50,3 +50,27 @@ def test_warmup_corpus_never_shows_the_rl_task():
     multipliers = {m for prompt, _ in corpus for m in re.findall(r"\*(\d+)", prompt)}
     assert multipliers == {"1"}
     assert all(completion.startswith("\\boxed{") for _, completion in corpus)
+
+
+
+def test_tool_warmup_episodes_are_what_the_calculator_environment_renders(demo_dir):
+    """Each warm-up episode is the demo template's render of its messages with the calculator's schema,
+    token for token, so what the warm-up teaches is what the calculator environment shows the model."""
+    from orbit_runtime.demo_warmup import tool_warmup_corpus
+    from orbit_runtime.environments.tools import load_tool
+
+    tokenizer = AutoTokenizer.from_pretrained(demo_dir)
+    schema = load_tool("calculator").schema
+    for segments in tool_warmup_corpus(seed=0)[:50]:
+        question = segments[0][0].split("What is ")[1].split("?")[0]
+        messages = [{"role": "user", "content": f"What is {question}?"}]
+        for text, trained in segments[1:]:
+            if trained:
+                messages.append({"role": "assistant", "content": text.removesuffix("<|im_end|>")})
+            else:
+                messages.append({"role": "tool", "content": text.split("<|im_start|>tool\n")[1].split("<|im_end|>")[0]})
+        rendered = tokenizer.apply_chat_template(messages, tools=[schema], tokenize=False).rstrip("\n")
+        assert "".join(text for text, _ in segments) == rendered
+        pieces = [tokenizer.encode(text, add_special_tokens=False) for text, _ in segments]  # the warm-up encodes each part
+        assert sum(pieces, []) == tokenizer.encode(rendered, add_special_tokens=False)
+        assert segments[-1][0] == f"\\boxed{{{messages[-2]['content']}}}<|im_end|>"  # the box holds the tool's answer
