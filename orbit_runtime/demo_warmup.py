@@ -9,9 +9,10 @@ what teaches it to multiply by ten, a rule it then applies to questions never us
 (the held-out accuracy).
 
 With tools (`tool_warmup_corpus`, for the calculator environment) it also learns the Hermes/Qwen
-tool-call format on additions and subtractions: call the calculator with the question's
-expression, then box what the tool answered. It never sees a multiplication; RL is what teaches
-it to use the calculator on those, questions it cannot answer from its weights.
+tool-call format on two-digit additions and subtractions: call the calculator with the question's
+expression, then box what the tool answered. examples/calculator.yaml asks such questions (held
+out from RL, not guaranteed disjoint from the warm-up's); RL is to make the tool use reliable,
+which it has not done so far (docs/multi-turn.md, "Measured").
 """
 
 from __future__ import annotations
