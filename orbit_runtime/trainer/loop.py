@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import threading
 import time
 from pathlib import Path
@@ -59,6 +58,7 @@ from orbit_runtime.trainer.evaluation import Evaluator, describe_eval
 from orbit_runtime.trainer.on_policy import OffPolicy, OnPolicyGuard
 from orbit_runtime.trainer.recorder import RunRecorder, RunState, sample_rows, signal_health, status_document, step_row
 from orbit_runtime.trainer.resume_and_shutdown import CheckpointsAndShutdown
+from orbit_runtime.trainer.role_lifecycle import RoleLifecycle
 from orbit_runtime.trainer.roles import DecodeCanary, ExternalRoles, ReferenceRole, RolloutRole, rollout_server_config
 from orbit_runtime.trainer.rollback import StepSnapshot
 from orbit_runtime.trainer.stopping import StopController, Stopped
@@ -82,9 +82,10 @@ def loss_config(spec: JobSpec) -> LossConfig:
     )
 
 
-class Trainer(CheckpointsAndShutdown):
+class Trainer(RoleLifecycle, CheckpointsAndShutdown):
     """One run of the RL loop. RESUME/RESUME_FROM: see checkpointing.plan_resume. Its checkpoints and
-    the end of a run are trainer/resume_and_shutdown.py's."""
+    the end of a run are trainer/resume_and_shutdown.py's; starting and stopping its roles
+    trainer/role_lifecycle.py's."""
 
     def __init__(self, spec: JobSpec, console=None, *, resume: bool = False, resume_from: str | None = None,
                  external: ExternalRoles | None = None) -> None:  # fmt: skip
@@ -184,44 +185,6 @@ class Trainer(CheckpointsAndShutdown):
         self._say(f"placement colocated: the learner computes on the rollout engine's base ({attached.arena.size / 2**20:.1f} MiB, "
                   f"one copy, sealed read-only; vLLM's {attached.meta['kernel']} {attached.meta['isa_hint']})")  # fmt: skip
         return policy
-
-    # ---- roles ---------------------------------------------------------------------------
-    def start_roles(self) -> None:
-        started = time.monotonic()
-        if not self.rollout.started:  # colocated: started with the policy
-            self.rollout.start()
-        self.startup_seconds["rollout_start"] = time.monotonic() - started  # vLLM's start, or reaching a running one
-        started = time.monotonic()
-        floor = self.rollout.calibrate(self.policy, self.spec.model.dtype)
-        tolerance = self.rollout.sync.tolerance
-        self._say(f"canary noise floor {floor:.2e} mean |dlogp| ({self.spec.model.dtype}, base model on both engines); "
-                  f"tolerance {tolerance:.2e}" + (" (sync.tolerance)" if self.spec.sync.tolerance else " (calibrated)"))  # fmt: skip
-        if self.state.adapter_version > 0:  # resumed: serve the checkpoint's adapter version again
-            source, _ = self._adapter_source(self.state.adapter_version)
-            self.rollout.publish(self.policy, self.state.adapter_version, source)
-        self.startup_seconds["resync"] = time.monotonic() - started  # the canary's noise floor and the adapter served again
-        self.reference.start()
-        metrics.ROLLOUT_UP.set(1)
-        self.rollout.watch_health(self._probe_stop)
-        self.write_processes()
-
-    def write_processes(self) -> None:
-        """processes.json: pids and URLs of the roles, for operators and tests."""
-        self._restarts_written = (self.rollout.restarts, self.reference.restarts)
-        roles: dict = {
-            "learner": {"pid": os.getpid(), **({"metrics_url": self.metrics_server.url} if self.metrics_server else {})}
-        }
-        for name, role in (("rollout", self.rollout), ("reference", self.reference)):
-            if role.server is not None and role.server.pid is not None:
-                roles[name] = {"pid": role.server.pid, "url": role.server.base_url, "restarts": role.restarts}
-        self.recorder.write_processes(roles)
-
-    def stop_roles(self) -> None:
-        if self.shared_base is not None and self.rollout.started:
-            self.shared_base.final_check()
-        self._probe_stop.set()
-        self.rollout.stop()
-        self.reference.stop()
 
     # ---- one RL step ---------------------------------------------------------------------
     def evaluate(self) -> dict:
