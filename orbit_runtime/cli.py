@@ -11,6 +11,7 @@ import typer
 from rich.console import Console
 
 from orbit_runtime.code_reward_command import register as register_code_reward_command
+from orbit_runtime.demo_commands import register as register_demo_commands
 from orbit_runtime.errors import OrbitError
 from orbit_runtime.plan_command import DOES_NOT_FIT_EXIT, admission_check, check_pod_fit, write_termination_log
 from orbit_runtime.plan_command import register as register_plan_command
@@ -59,38 +60,6 @@ def quantize(
         f"{report.source_bytes / 2**20:.1f} MiB -> {report.output_bytes / 2**20:.1f} MiB in {report.seconds:.1f}s"
     )
     typer.echo(str(dst))
-
-
-@app.command("demo-model")
-def demo_model(
-    out_dir: Annotated[Path, typer.Argument(help="Directory to write the tiny model and tokenizer to.")],
-    seed: Annotated[int, typer.Option(help="Random seed of the weights.")] = 0,
-    arch: Annotated[
-        str, typer.Option(help="Architecture: qwen2 (dense), qwen3_moe, or deepseek_v3 (MLA + shared expert, small).")
-    ] = "qwen2",
-    warmup_steps: Annotated[
-        int, typer.Option(help="Supervised warm-up steps standing in for pretraining (0: random weights).")
-    ] = 0,
-    warmup_tools: Annotated[
-        bool, typer.Option(help="The warm-up also teaches the calculator tool-call format (for examples/calculator.yaml).")
-    ] = False,
-    overwrite: Annotated[bool, typer.Option(help="Replace OUT_DIR if it is not empty.")] = False,
-) -> None:
-    """Write a tiny model (dense Qwen2 or an MoE) with a local character-level tokenizer (no network)."""
-    from orbit_runtime.demo_model import write_demo_model
-
-    try:
-        path = write_demo_model(out_dir, seed=seed, arch=arch, overwrite=overwrite)
-    except OrbitError as exc:
-        _fail(exc)
-    if warmup_steps:
-        from orbit_runtime.demo_warmup import warm_up
-
-        loss = warm_up(path, steps=warmup_steps, seed=seed, tools=warmup_tools)
-        what = "the answer and tool-call formats" if warmup_tools else "the answer format"
-        console.print(f"warm-up: {warmup_steps} supervised steps on {what} (other questions), final loss {loss:.3f}")
-    console.print(f"wrote demo model to {path}")
-    typer.echo(str(path))
 
 
 def _configure_logging() -> None:
@@ -386,6 +355,7 @@ def crd(
 register_role_commands(app, _fail, _configure_logging)
 register_plan_command(app, _fail)
 register_code_reward_command(app, _fail)
+register_demo_commands(app, _fail)
 
 if __name__ == "__main__":
     app()

@@ -74,3 +74,43 @@ def test_tool_warmup_episodes_are_what_the_calculator_environment_renders(demo_d
         pieces = [tokenizer.encode(text, add_special_tokens=False) for text, _ in segments]  # the warm-up encodes each part
         assert sum(pieces, []) == tokenizer.encode(rendered, add_special_tokens=False)
         assert segments[-1][0] == f"\\boxed{{{messages[-2]['content']}}}<|im_end|>"  # the box holds the tool's answer
+
+
+def test_warm_up_reports_every_step_and_trains_the_tool_episodes_asked_for(demo_dir, tmp_path):
+    """benchmarks/calculator_warmup.py probes the model in training through ON_STEP; TOOL_EPISODES sets the corpus."""
+    import shutil
+
+    import torch
+
+    from orbit_runtime.demo_warmup import warm_up
+
+    model_dir = shutil.copytree(demo_dir, tmp_path / "demo")
+    seen: list[tuple[int, bool, float]] = []
+    loss = warm_up(model_dir, steps=3, batch=4, tools=True, tool_episodes=2,
+                   on_step=lambda step, model, value: seen.append((step, model.training, value)))  # fmt: skip
+    assert [step for step, _, _ in seen] == [1, 2, 3]
+    assert all(training for _, training, _ in seen)  # the callback gets the model being trained, in train mode
+    assert seen[-1][2] == loss and torch.isfinite(torch.tensor(loss))
+
+
+def test_demo_warmup_trains_a_model_further_and_names_bad_input(demo_dir, tmp_path):
+    """`orbit demo-warmup`: a later stage of the calculator recipe (Makefile, demo-calculator), trained in place."""
+    import shutil
+
+    from safetensors.torch import load_file
+    from typer.testing import CliRunner
+
+    from orbit_runtime.cli import app
+
+    model_dir = shutil.copytree(demo_dir, tmp_path / "demo")
+    before = load_file(model_dir / "model.safetensors")
+    result = CliRunner().invoke(app, ["demo-warmup", str(model_dir), "--steps", "2", "--tools", "--tool-episodes", "4",
+                                      "--tool-share", "0.5", "--seed", "3"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    after = load_file(model_dir / "model.safetensors")
+    assert any(not after[name].equal(before[name]) for name in before)  # trained in place
+    for args, named in ((["--steps", "2", "--tool-share", "0"], "--tool-share"), (["--steps", "0"], "--steps")):
+        result = CliRunner().invoke(app, ["demo-warmup", str(model_dir), *args])
+        assert result.exit_code == 2 and named in result.output
+    result = CliRunner().invoke(app, ["demo-warmup", str(tmp_path / "missing"), "--steps", "1"])
+    assert result.exit_code == 2 and "config.json" in result.output
