@@ -104,7 +104,7 @@ demo-moe: install
 # learns to call it (examples/calculator.yaml, docs/multi-turn.md). Its warm-up has three stages
 # (benchmarks/results/calculator_warmup/): the all-tool episodes until the calls copy the question
 # (about 1,000-1,800 steps; when varies run to run), more of them, then an optional tool (40% of
-# the episodes call it) so that greedy answers from the weights. About 50 minutes on 2 cores.
+# the episodes call it) so that greedy answers from the weights. About 75 minutes on 2 cores.
 CALC_RUN_DIR := runs/calculator
 demo-calculator: install
 	$(VENV)/bin/orbit demo-model $(CALC_RUN_DIR)/base --warmup-steps 1600 --warmup-tools --warmup-tool-episodes 20000 --overwrite

@@ -41,6 +41,7 @@ def summarize(run_dir: Path) -> dict:
         "wall_seconds": summary.get("wall_seconds", round(sum(r["step_seconds"] for r in steps), 1)),
         "median_step_phases_s": {p: statistics.median(r.get(p, 0.0) for r in steps) for p in phases},
         "mismatch_mean_abs_max": max(r["mismatch_mean_abs"] for r in steps),
+        "canary_failures": summary.get("canary_failures"),  # None when the run left no summary.json
         "reward_by_step": [round(r["reward_mean"], 4) for r in steps],
     }
 

@@ -71,7 +71,10 @@ def register(app: typer.Typer, fail: Callable[[Exception], None]) -> None:
 
         if not (model_dir / "config.json").is_file():
             fail(OrbitError(f"{model_dir}: no config.json here; build a demo model with `orbit demo-model` first"))
-        if steps < 1 or tool_episodes < 1 or not 0.0 < tool_share <= 1.0:
-            fail(OrbitError("demo-warmup: --steps and --tool-episodes must be at least 1, --tool-share in (0, 1]"))
+        for bad, message in ((steps < 1, f"--steps must be at least 1, not {steps}"), (lr <= 0, f"--lr must be positive, not {lr}"),
+                             (tool_episodes < 1, f"--tool-episodes must be at least 1, not {tool_episodes}"),
+                             (not 0.0 < tool_share <= 1.0, f"--tool-share must be in (0, 1], not {tool_share}")):  # fmt: skip
+            if bad:
+                fail(OrbitError(f"demo-warmup: {message}"))
         loss = warm_up(model_dir, steps=steps, seed=seed, lr=lr, tools=tools, tool_episodes=tool_episodes, tool_share=tool_share)
         console.print(f"warm-up: {steps} more supervised steps on {model_dir}, final loss {loss:.3f}")

@@ -76,8 +76,8 @@ def test_tool_warmup_episodes_are_what_the_calculator_environment_renders(demo_d
         assert segments[-1][0] == f"\\boxed{{{messages[-2]['content']}}}<|im_end|>"  # the box holds the tool's answer
 
 
-def test_warm_up_reports_every_step_and_trains_the_tool_episodes_asked_for(demo_dir, tmp_path):
-    """benchmarks/calculator_warmup.py probes the model in training through ON_STEP; TOOL_EPISODES sets the corpus."""
+def test_warm_up_reports_every_step_to_on_step(demo_dir, tmp_path):
+    """benchmarks/calculator_warmup.py probes the model in training through ON_STEP."""
     import shutil
 
     import torch
@@ -91,6 +91,23 @@ def test_warm_up_reports_every_step_and_trains_the_tool_episodes_asked_for(demo_
     assert [step for step, _, _ in seen] == [1, 2, 3]
     assert all(training for _, training, _ in seen)  # the callback gets the model being trained, in train mode
     assert seen[-1][2] == loss and torch.isfinite(torch.tensor(loss))
+
+
+def test_optional_tool_corpus_boxes_the_rest_directly_and_leaves_the_all_tool_corpus_as_it_was():
+    """TOOL_SHARE < 1 (the calculator recipe's third stage); at 1.0 the corpus is the one earlier results were measured on."""
+    from orbit_runtime.demo_warmup import tool_prompt, tool_warmup_corpus
+
+    everything = tool_warmup_corpus(7, count=400)
+    assert tool_warmup_corpus(7, count=400, tool_share=1.0) == everything and len(everything) == 400
+    assert all(len(episode) == 4 for episode in everything)  # call, tool turn, box
+    mixed = tool_warmup_corpus(7, count=400, tool_share=0.4)
+    direct = [episode for episode in mixed if len(episode) == 2]
+    assert 0.5 < len(direct) / len(mixed) < 0.7  # about 60% box directly
+    for (prompt, prompt_trained), (answer, answer_trained) in direct:
+        expression = prompt.split("What is ")[1].split("?")[0]
+        assert prompt == tool_prompt(expression) and not prompt_trained and answer_trained
+        a, op, b = expression[:2], expression[2], expression[3:]  # two-digit + and - only
+        assert answer == f"\\boxed{{{int(a) + int(b) if op == '+' else int(a) - int(b)}}}<|im_end|>"
 
 
 def test_demo_warmup_trains_a_model_further_and_names_bad_input(demo_dir, tmp_path):
@@ -109,8 +126,10 @@ def test_demo_warmup_trains_a_model_further_and_names_bad_input(demo_dir, tmp_pa
     assert result.exit_code == 0, result.output
     after = load_file(model_dir / "model.safetensors")
     assert any(not after[name].equal(before[name]) for name in before)  # trained in place
-    for args, named in ((["--steps", "2", "--tool-share", "0"], "--tool-share"), (["--steps", "0"], "--steps")):
+    for args, named in ((["--steps", "2", "--tool-share", "0"], "--tool-share"), (["--steps", "0"], "--steps"),
+                        (["--steps", "1", "--lr", "0"], "--lr"), (["--steps", "1", "--tool-episodes", "0"], "--tool-episodes")):  # fmt: skip
         result = CliRunner().invoke(app, ["demo-warmup", str(model_dir), *args])
         assert result.exit_code == 2 and named in result.output
+        assert not any(flag in result.output for flag in ("--steps", "--lr", "--tool-share", "--tool-episodes") if flag != named)
     result = CliRunner().invoke(app, ["demo-warmup", str(tmp_path / "missing"), "--steps", "1"])
     assert result.exit_code == 2 and "config.json" in result.output
