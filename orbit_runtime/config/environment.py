@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-BUILTIN_TOOLS = ("calculator",)
+BUILTIN_TOOLS = ("calculator", "python")
 
 
 class EnvironmentData(BaseModel):
@@ -55,7 +55,8 @@ class EnvironmentSpec(BaseModel):
     tools: list[str] = Field(
         default_factory=list,
         description=(
-            "type tools: built-ins (calculator: arithmetic on numbers) "
+            "type tools: built-ins (calculator: arithmetic on numbers; python: runs a program in the code sandbox, bwrap, and "
+            "answers with what it printed) "
             "or 'module:function' paths to Python functions with type hints and a Google-style docstring (their JSON "
             "schema is derived from them)."
         ),

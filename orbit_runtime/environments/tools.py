@@ -21,11 +21,12 @@ from orbit_runtime.data.datasets import Example
 from orbit_runtime.dotted_path import load_callable
 from orbit_runtime.environments.base import Environment, EnvReply, EpisodeState, Message
 from orbit_runtime.environments.calculator import calculator
+from orbit_runtime.environments.python_tool import python
 from orbit_runtime.environments.tool_calls import ToolCall, parse_tool_calls
 from orbit_runtime.errors import OrbitError
 from orbit_runtime.observability import environment_metrics
 
-BUILTIN_TOOLS: dict[str, Callable] = {"calculator": calculator}
+BUILTIN_TOOLS: dict[str, Callable] = {"calculator": calculator, "python": python}
 MAX_RESULT = 2000  # characters of a tool's answer kept
 
 
@@ -51,6 +52,13 @@ class Tool:
 
 def load_tool(name: str) -> Tool:
     """A built-in tool by name, or 'module:function'."""
+    if name == "python":  # a job that cannot sandbox code fails at its start, naming what is missing
+        from orbit_runtime.sandbox.bwrap import SandboxUnavailable, check_sandbox_tools
+
+        try:
+            check_sandbox_tools()
+        except SandboxUnavailable as exc:
+            raise OrbitError(f"environment.tools: python: {exc}") from None
     if name in BUILTIN_TOOLS:
         return Tool.of(BUILTIN_TOOLS[name])
     return Tool.of(load_callable(name, "environment.tools"))

@@ -1,4 +1,4 @@
-"""Judge one program in a bubblewrap sandbox, with limits, leaving nothing behind.
+"""Judge one program in a bubblewrap sandbox (or run it once: the `python` tool), with limits, leaving nothing behind.
 
 The sandbox (`bwrap_argv`, pure) has every namespace unshared (no network: only its own
 loopback; its own pid namespace, so it cannot see or signal the learner), a read-only /usr,
@@ -146,17 +146,56 @@ def _read_capped(stream, limit: int, out: list[bytes]) -> None:
 def judge_program(program: str, tests: str, entry_point: str | None, limits: SandboxLimits | None = None, stub: str = "") -> Verdict:
     """Run PROGRAM against TESTS in a fresh sandbox and say how it did (STUB: the task's, whose helpers the tests may call)."""
     limits = limits or SandboxLimits()
-    check_sandbox_tools()
+    # the tests go to the harness on its stdin: a file in the sandbox would let the program read the answers
+    meta = {"tests": tests, "entry_point": entry_point, "stub": stub, "wall_seconds": limits.wall_seconds,
+            "output_bytes": limits.output_bytes, "processes": limits.processes}  # fmt: skip
     started = time.monotonic()
+    ran = _run_harness(program, meta, limits)
+    if isinstance(ran, str):
+        return Verdict(0, 0, "sandbox_error", time.monotonic() - started, ran)
+    return _verdict(*ran, time.monotonic() - started)
+
+
+@dataclass(frozen=True)
+class ProgramRun:
+    """How one program run in the sandbox ended (`run_program`): its status, what it printed, what it raised."""
+
+    status: str  # one of STATUSES
+    output: str
+    error: str | None
+    seconds: float
+
+
+def run_program(program: str, limits: SandboxLimits | None = None) -> ProgramRun:
+    """Run PROGRAM once in a fresh sandbox (the `python` tool): the same sandbox and limits as judging, no tests."""
+    limits = limits or SandboxLimits()
+    meta = {"mode": "run", "wall_seconds": limits.wall_seconds, "output_bytes": limits.output_bytes, "processes": limits.processes}
+    started = time.monotonic()
+    ran = _run_harness(program, meta, limits)
+    if isinstance(ran, str):
+        return ProgramRun("sandbox_error", "", ran, time.monotonic() - started)
+    events, errors, timed_out, returncode = ran
+    for line in reversed(events.splitlines()):
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(event, dict) and event.get("status") in STATUSES:
+            return ProgramRun(event["status"], str(event.get("output", "")), event.get("error"), time.monotonic() - started)
+    status = "timeout" if timed_out else "sandbox_error"
+    return ProgramRun(status, "", errors.strip()[-500:] or f"exit {returncode}", time.monotonic() - started)
+
+
+def _run_harness(program: str, meta: dict, limits: SandboxLimits) -> tuple[str, str, bool, int] | str:
+    """Run the harness on PROGRAM with META (on its stdin) in a fresh sandbox: (its stdout, bwrap's stderr,
+    timed out, exit status), or why the sandbox could not start."""
+    check_sandbox_tools()
     python, prefix = sandbox_python()
     with tempfile.TemporaryDirectory(prefix="orbit-judge-") as tmp:
         judge_dir = Path(tmp)
         for name in JUDGE_FILES:
             shutil.copyfile(HERE / name, judge_dir / name)
         (judge_dir / "program.py").write_text(program)
-        # the tests go to the harness on its stdin: a file in the sandbox would let the program read the answers
-        meta = {"tests": tests, "entry_point": entry_point, "stub": stub, "wall_seconds": limits.wall_seconds,
-                "output_bytes": limits.output_bytes, "processes": limits.processes}  # fmt: skip
         judge_dir.chmod(0o755)  # readable by the sandbox's uid, writable by nobody in it (a read-only bind anyway)
         info_read, info_write = os.pipe()
         argv = bwrap_argv(judge_dir, limits, python, prefix, info_write, sized_tmpfs=bwrap_version() >= (0, 8))
@@ -167,7 +206,7 @@ def judge_program(program: str, tests: str, entry_point: str | None, limits: San
                                        pass_fds=(info_write,), **user)  # fmt: skip
         except OSError as exc:
             os.close(info_read)
-            return Verdict(0, 0, "sandbox_error", time.monotonic() - started, f"cannot start the sandbox: {exc}")
+            return f"cannot start the sandbox: {exc}"
         finally:
             os.close(info_write)
         events: list[bytes] = []
@@ -197,8 +236,7 @@ def judge_program(program: str, tests: str, entry_point: str | None, limits: San
         process.wait()
         for reader in readers:
             reader.join(timeout=5)
-    return _verdict(b"".join(events).decode(errors="replace"), b"".join(errors).decode(errors="replace"),
-                    timed_out, process.returncode, time.monotonic() - started)  # fmt: skip
+    return b"".join(events).decode(errors="replace"), b"".join(errors).decode(errors="replace"), timed_out, process.returncode
 
 
 def _kill_harness(info: bytes) -> None:

@@ -15,6 +15,9 @@ names and the task stub's helpers are never the program's.
 Reads {"tests", "entry_point", "wall_seconds", "output_bytes"} (JSON) on stdin; the program
 never sees the tests. Writes JSON lines on stdout: {"total": m}, one {"test": i, "passed": bool} per test as it is
 judged, then {"status": ...}.
+
+With {"mode": "run"} instead (the `python` tool) there are no tests: the program runs once, and
+the one line written is {"status": ..., "output": what it printed, "error": what it raised}.
 """
 
 import ast
@@ -137,10 +140,12 @@ class Program:
         self.output_exceeded = False
         self.ended = False
         self._buffer = b""
-        threading.Thread(target=self._drain_output, args=(output_limit,), daemon=True).start()
+        self.output: list[bytes] = []  # what it printed, up to the limit (run mode returns it)
+        self.drain = threading.Thread(target=self._drain_output, args=(output_limit,), daemon=True)
+        self.drain.start()
 
     def _drain_output(self, limit: int) -> None:
-        """Count what the program prints; past LIMIT bytes it is killed."""
+        """Keep what the program prints; past LIMIT bytes it is killed."""
         seen = 0
         while chunk := self.process.stderr.read1(65536):
             seen += len(chunk)
@@ -148,6 +153,7 @@ class Program:
                 self.output_exceeded = True
                 self.process.kill()
                 return
+            self.output.append(chunk)
 
     def receive(self) -> dict:
         fd = self.process.stdout.fileno()
@@ -217,6 +223,9 @@ def main() -> None:
     # the program's processes, counted in the sandbox's own user namespace (the kernel counts a
     # uid per namespace; outside it the uid may run anything on the node)
     resource.setrlimit(resource.RLIMIT_NPROC, (meta["processes"], meta["processes"]))
+    if meta.get("mode") == "run":
+        run_once(meta)
+        return
     try:
         statements, flags, program_names = plan_tests(meta["tests"], meta.get("entry_point"), meta.get("stub", ""))
     except (TestsInvalid, SyntaxError) as exc:
@@ -271,6 +280,39 @@ def main() -> None:
         status = "memory"
     program.process.kill()
     emit(status=status)
+
+
+def run_once(meta: dict) -> None:
+    """Run mode: the program runs to its end (or its limits), then report its status and output."""
+    deadline = time.monotonic() + meta["wall_seconds"]
+    program = Program(deadline, meta["output_bytes"])
+    error = None
+    try:
+        loaded = program.receive()  # the runner answers once the program's top level has run
+        if not loaded.get("loaded"):
+            error = f"{loaded.get('error')}: {loaded.get('detail', '')}"
+    except ProgramGone:
+        loaded = None
+    try:
+        program.process.stdin.close()  # no calls: the runner ends
+    except OSError:
+        pass
+    try:
+        program.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    if loaded is None:  # no answer: its limits ended it (or it exited from its top level)
+        status = program.status()
+        status = "crashed" if status == "ok" else status
+    elif loaded.get("loaded"):
+        status = "ok"
+    else:  # it raised: its own error, reported as such
+        status = {"SyntaxError": "syntax_error", "MemoryError": "memory"}.get(loaded.get("error"), "crashed")
+    program.process.kill()
+    program.drain.join(timeout=2.0)
+    if program.output_exceeded:
+        status = "output_limit"
+    emit(status=status, output=b"".join(program.output).decode(errors="replace"), error=error)
 
 
 if __name__ == "__main__":
