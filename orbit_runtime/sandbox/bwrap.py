@@ -181,7 +181,8 @@ def run_program(program: str, limits: SandboxLimits | None = None) -> ProgramRun
         except ValueError:
             continue
         if isinstance(event, dict) and event.get("status") in STATUSES:
-            return ProgramRun(event["status"], str(event.get("output", "")), event.get("error"), time.monotonic() - started)
+            error = event.get("error") or event.get("detail")  # detail: why the harness could not run it
+            return ProgramRun(event["status"], str(event.get("output", "")), error, time.monotonic() - started)
     status = "timeout" if timed_out else "sandbox_error"
     return ProgramRun(status, "", errors.strip()[-500:] or f"exit {returncode}", time.monotonic() - started)
 

@@ -148,12 +148,12 @@ class Program:
         """Keep what the program prints; past LIMIT bytes it is killed."""
         seen = 0
         while chunk := self.process.stderr.read1(65536):
+            self.output.append(chunk[: max(0, limit - seen)])  # what fits: run mode returns it with the error
             seen += len(chunk)
             if seen > limit:
                 self.output_exceeded = True
                 self.process.kill()
                 return
-            self.output.append(chunk)
 
     def receive(self) -> dict:
         fd = self.process.stdout.fileno()
@@ -282,34 +282,40 @@ def main() -> None:
     emit(status=status)
 
 
+CLEAN_EXITS = ("None", "0", "")  # sys.exit(), sys.exit(0): the program ended as it meant to
+
+
 def run_once(meta: dict) -> None:
     """Run mode: the program runs to its end (or its limits), then report its status and output."""
     deadline = time.monotonic() + meta["wall_seconds"]
     program = Program(deadline, meta["output_bytes"])
-    error = None
     try:
         loaded = program.receive()  # the runner answers once the program's top level has run
-        if not loaded.get("loaded"):
-            error = f"{loaded.get('error')}: {loaded.get('detail', '')}"
     except ProgramGone:
         loaded = None
     try:
         program.process.stdin.close()  # no calls: the runner ends
     except OSError:
         pass
+    hung = False
     try:
-        program.process.wait(timeout=max(0.1, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pass
-    if loaded is None:  # no answer: its limits ended it (or it exited from its top level)
+        code = program.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:  # its top level ended but the process did not (a thread, an atexit hook)
+        code, hung = None, True
+    error = None
+    if loaded is None:  # no answer: its limits ended it, or it left without one (os._exit)
         status = program.status()
-        status = "crashed" if status == "ok" else status
-    elif loaded.get("loaded"):
-        status = "ok"
+        if status == "crashed" and code == 0:
+            status = "ok"
+        elif status == "crashed":
+            error = f"exit status {code}" if code is not None and code >= 0 else f"killed by signal {-(code or 0)}"
+    elif loaded.get("loaded") or (loaded.get("error") == "SystemExit" and str(loaded.get("detail")) in CLEAN_EXITS):
+        status = "timeout" if hung else "ok"
     else:  # it raised: its own error, reported as such
         status = {"SyntaxError": "syntax_error", "MemoryError": "memory"}.get(loaded.get("error"), "crashed")
+        error = f"{loaded.get('error')}: {loaded.get('detail', '')}"
     program.process.kill()
-    program.drain.join(timeout=2.0)
+    program.drain.join(timeout=max(0.1, deadline + 0.5 - time.monotonic()))
     if program.output_exceeded:
         status = "output_limit"
     emit(status=status, output=b"".join(program.output).decode(errors="replace"), error=error)
