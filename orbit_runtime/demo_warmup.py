@@ -74,9 +74,8 @@ def tool_warmup_corpus(seed: int, count: int = 600, tool_share: float = 1.0) -> 
 def warm_up(model_dir: Path, steps: int = 400, seed: int = 0, lr: float = 3e-3, batch: int = 32, tools: bool = False,
             tool_episodes: int = 600, tool_share: float = 1.0, on_step: Callable[[int, Any, float], None] | None = None) -> float:  # fmt: skip
     """Train MODEL_DIR in place on `warmup_corpus` (and, with TOOLS, TOOL_EPISODES of `tool_warmup_corpus`, a
-    TOOL_SHARE of them using the tool); returns
-    the final loss. ON_STEP(step, model, loss), if given, runs after every step (benchmarks/calculator_warmup.py probes
-    the model with it)."""
+    TOOL_SHARE of them using the tool); returns the final loss. ON_STEP(step, model, loss), if given, runs
+    after every step (benchmarks/calculator_warmup.py probes the model with it)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
