@@ -5,8 +5,9 @@ back: y = act(y_base + B(A(x)) * s). vLLM holds the adapter in the model dtype (
 auto; it offers no fp32) and computes it in its punica kernels (on CPU
 `vllm/lora/ops/torch_ops`): A and B are cast to the model dtype at load, the scaling s is
 folded into B in the model dtype (`LoRALayerWeights.optimize`), the shrink x @ A^T runs in
-fp32 (punica's fp32 buffer), its result is cast to the model dtype, the expand @ B^T runs in
-the model dtype and is added to the base output in the model dtype.
+fp32 (punica's fp32 buffer), its result is cast to the model dtype, the expand @ B^T is
+rounded once to the model dtype (`rounded_linear`, as Orbit's LoRA fast path in vLLM computes
+it) and is added to the base output in the model dtype.
 
 `VllmRoundedLoraLinear` makes the same roundings in the forward, through casts autograd
 passes gradients through (straight-through): the trainable weights stay fp32 masters and
@@ -20,6 +21,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from peft.tuners.lora.layer import Linear as LoraLinear
+
+from orbit_runtime.rounded_matmul import rounded_linear
 
 
 class VllmRoundedLoraLinear(LoraLinear):
@@ -39,5 +42,5 @@ class VllmRoundedLoraLinear(LoraLinear):
             a_served = self.lora_A[adapter].weight.to(act)  # vLLM loads the adapter in the model dtype
             b_served = self.lora_B[adapter].weight.to(act) * self.scaling[adapter]  # scaling folded into B, in act
             shrunk = F.linear(self.lora_dropout[adapter](x).float(), a_served.float())  # shrink into fp32
-            result = result + F.linear(shrunk.to(act), b_served)  # expand in the model dtype, added in it
+            result = result + rounded_linear(shrunk.to(act), b_served)  # expand rounded to the model dtype, added in it
         return result

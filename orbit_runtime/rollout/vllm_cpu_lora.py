@@ -11,11 +11,12 @@ doubled generation time.
 to the same adapter slot (the check is one comparison, made when vLLM updates the batch's
 LoRA mapping), computes the same two products as two GEMMs on that slot's matrices. It keeps
 vLLM's rounding: the shrink (x @ A^T) in fp32 into vLLM's fp32 buffer, then the expand
-(buffer @ B^T) in the model dtype, added in the model dtype. Only the summation order within
-a dot product differs (a GEMM's blocking vs einsum's), so outputs agree to the last bit or
-one unit in the last place (tests/unit/test_vllm_cpu_lora.py; the integration tests check
-the log-probs against the learner). Batches that mix adapters, or the base model and an
-adapter, take vLLM's own path. Set ORBIT_VLLM_LORA_FAST_PATH=0 to always use vLLM's path.
+(buffer @ B^T) from inputs rounded to the model dtype, its fp32 sum rounded once to the model
+dtype (as a 16-bit CPU GEMM rounds; computed as an fp32 GEMM, orbit_runtime/rounded_matmul.py),
+added in the model dtype. Only the summation order within a dot product differs (a GEMM's
+blocking vs einsum's), so outputs agree to the last bit or one unit in the last place
+(tests/unit/test_vllm_cpu_lora.py; the integration tests check the log-probs against the
+learner). Batches that mix adapters, or the base model and an adapter, take vLLM's own path. Set ORBIT_VLLM_LORA_FAST_PATH=0 to always use vLLM's path.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import os
 
 import torch
 from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
+
+from orbit_runtime.rounded_matmul import rounded_linear
 
 FAST_PATH_ENV = "ORBIT_VLLM_LORA_FAST_PATH"
 QUALNAME = f"{__name__}.SingleAdapterPunicaWrapperCPU"
@@ -72,7 +75,7 @@ class SingleAdapterPunicaWrapperCPU(PunicaWrapperCPU):
         if b is None:
             return super()._expand_slice_prefill(y, x, w_t_all, y_offset, y_slice_size, add_inputs)
         self.fast_calls += 1
-        out = torch.mm(x.to(y.dtype), b.to(y.dtype).t())  # [out, rank] in the model dtype, as vLLM casts
+        out = rounded_linear(x.to(y.dtype), b.to(y.dtype))  # the inputs rounded to the model dtype, as vLLM casts
         if add_inputs:
             y[:, y_offset : y_offset + y_slice_size] += out
         else:
