@@ -4,7 +4,9 @@ On vLLM's CPU build it registers `CpuInt4Qwen3MoeForCausalLM` for the `Qwen3MoeF
 architecture and `CpuInt4DeepseekV3ForCausalLM` for `DeepseekV3ForCausalLM`: the stock models
 cannot run INT4 experts or MoE LoRA there (see `vllm_cpu_moe.py`, `vllm_cpu_deepseek.py`), and
 it gives the CPU LoRA ops a single-adapter fast path (`vllm_cpu_lora.py`; ORBIT_VLLM_LORA_FAST_PATH=0
-turns it off). On GPU it does nothing, so vLLM's own fused MoE model and LoRA kernels serve.
+turns it off), and makes its processes sleep when idle instead of busy-polling for a second
+(`vllm_cpu_idle.py`; ORBIT_VLLM_IDLE_SPIN_S sets the window). On GPU it does nothing, so
+vLLM's own fused MoE model and LoRA kernels serve.
 Set ORBIT_VLLM_CPU_MOE=0 to keep vLLM's model on CPU too (e.g. on a CPU with AMX).
 On a CPU without AVX-512, whose vLLM library has no INT4 GEMM, it installs a portable one
 (`int4/vllm_cpu_kernel.py`), so INT4 bases serve there too.
@@ -44,7 +46,9 @@ def register() -> None:
     if install_portable_kernel():
         log.warning("orbit: vLLM's CPU library has no cpu_gemm_wna16 on this CPU (no AVX-512): INT4 linears use "
                     "Orbit's portable kernel (dequantize + fp32 GEMM), correct but slower")  # fmt: skip
-    from orbit_runtime.rollout import vllm_cpu_lora
+    from orbit_runtime.rollout import vllm_cpu_idle, vllm_cpu_lora
+
+    vllm_cpu_idle.install(vllm_cpu_idle.idle_spin_seconds())  # idle: sleep, the learner needs the cores
 
     if vllm_cpu_lora.enabled():
         vllm_cpu_lora.install()  # one adapter for the whole batch: two GEMMs, not a per-token gather
