@@ -47,7 +47,7 @@ class LearnerSpec(BaseModel):
     )
     pin_malloc_threshold: bool = Field(
         True,
-        description="Pin glibc's mmap threshold at 128 KiB in the learner process, so the step's freed temporaries go "
+        description="Pin glibc's mmap threshold at 4 MiB in the learner process, so the step's freed big temporaries go "
         "back to the OS instead of staying in the heap (glibc raises the threshold after large frees). "
         "benchmarks/memory.py measures the peak and the step time both ways. No effect off glibc.",
     )
