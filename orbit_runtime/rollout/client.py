@@ -167,19 +167,25 @@ class RolloutClient:
 
     def score(self, sequence: list[int], *, model: str | None = None) -> list[float]:
         """log p(token t | tokens < t) for t = 1..len-1 under MODEL (vLLM prompt_logprobs)."""
+        return self.score_many([sequence], model=model)[0]
+
+    def score_many(self, sequences: list[list[int]], *, model: str | None = None) -> list[list[float]]:
+        """`score` of every sequence in SEQUENCES, in one request (vLLM batches them in one forward)."""
         payload = {
             "model": model or self.base_model,
-            "prompt": [sequence],
+            "prompt": sequences,
             "max_tokens": 1,
             "temperature": 0.0,
             "prompt_logprobs": 0,
         }
-        choice = self._post("/v1/completions", payload).json()["choices"][0]
-        entries = choice["prompt_logprobs"][1:]
-        out = []
-        for token, entry in zip(sequence[1:], entries, strict=True):
-            out.append(float(entry[str(token)]["logprob"]))
-        return out
+        choices = sorted(self._post("/v1/completions", payload).json()["choices"], key=lambda c: c["index"])
+        if len(choices) != len(sequences):
+            raise RuntimeError(f"rollout scored {len(choices)} of {len(sequences)} sequences")
+        scores = []
+        for sequence, choice in zip(sequences, choices, strict=True):
+            entries = choice["prompt_logprobs"][1:]
+            scores.append([float(entry[str(token)]["logprob"]) for token, entry in zip(sequence[1:], entries, strict=True)])
+        return scores
 
     def load_adapter(self, name: str, path: Path) -> None:
         """Load the PEFT adapter at PATH under a name never used before on this server."""

@@ -200,7 +200,10 @@ class ExpertLinearsForCausalLM(nn.Module, SupportsLoRA):
 
     decoder_layer: type[nn.Module]
     hf_to_vllm_mapper: WeightsMapper
-    embedding_modules = {"embed_tokens": "input_embeddings", "lm_head": "output_embeddings"}
+    # No LoRA on the embedding or the head (as vLLM's Qwen2): Orbit adapts linears only, and vLLM's
+    # LoRA head on its CPU build crashes on prompt log-probs of several sequences in one batch
+    # (bgmv over per-sequence indices against per-token logits), which the trainer's canary asks for
+    embedding_modules: dict[str, str] = {}
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()

@@ -148,6 +148,8 @@ class SyncResult:
     canary_verdict: str = "unchecked"
     canary_tolerance: float | None = None
     decode: MismatchStats | None = None  # vLLM's decode log-probs vs the learner's on a seeded continuation
+    expected_seconds: float | None = None  # the learner's canary log-probs of version N (before the load)
+    decode_seconds: float | None = None  # the decode canary: vLLM samples, the learner scores
 
 
 class AdapterSync:
@@ -182,7 +184,8 @@ class AdapterSync:
         return calibrated_tolerance(self.noise_floor)
 
     def rollout_canary(self, name: str) -> list[torch.Tensor]:
-        return [torch.tensor(self.client.score(p + c, model=name)[len(p) - 1 :]) for p, c in self.canary]
+        scores = self.client.score_many([p + c for p, c in self.canary], model=name)  # one request: one forward
+        return [torch.tensor(row[len(p) - 1 :]) for (p, _), row in zip(self.canary, scores, strict=True)]
 
     def measure_noise_floor(self, base_expected: list[torch.Tensor]) -> float:
         """Mean |dlogp| of vLLM's base model vs the learner's base (BASE_EXPECTED, adapter off) on the

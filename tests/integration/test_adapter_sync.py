@@ -200,3 +200,8 @@ def test_an_adapter_written_in_the_served_dtype_serves_exactly_as_the_fp32_one(r
     assert scores["dtype-fp32"] == scores["dtype-fp16"]
     base = [rollout_client.score(p + c) for p, c in CANARY]
     assert base != scores["dtype-fp16"]  # the adapter is served at all
+    # the canary's one-request scoring gives each sequence the log-probs of its own request
+    together = rollout_client.score_many([p + c for p, c in CANARY])
+    assert [len(row) for row in together] == [len(p + c) - 1 for p, c in CANARY]
+    for row, alone in zip(together, base, strict=True):  # one forward over both: same tokens, batched arithmetic
+        assert row == pytest.approx(alone, abs=1e-4)

@@ -97,6 +97,10 @@ def test_learner_matches_vllm_on_moe(moe_int4, tmp_path):
     # every position, not only the mean: a bug at a few tokens (the first, a cache hit) would hide in it
     assert delta.quantile(0.99) < 2e-2 and delta.max() < 5e-2, f"p99 {delta.quantile(0.99):.2e} max {delta.max():.2e}"
     assert adapter_effect > 5 * delta.mean()  # the adapter is really applied on both sides
+    # scored all in one request (prompt log-probs of many sequences in a batch, as the canary
+    # asks; vLLM's LoRA head crashed there on CPU) vLLM agrees with the learner as closely
+    scored = torch.cat([(a.float() - torch.tensor(c["scored"])).abs() for a, c in zip(ours, completions, strict=True)])
+    assert scored.numel() == delta.numel() and scored.mean() < 1e-3, f"batch-scored mean |dlogp| {scored.mean():.2e}"
     # ... its routed-expert part too: without it the learner would be far from vLLM
     state = policy.adapter_state()
     policy.load_adapter_state({n: (t * 0 if ".experts." in n and "lora_B" in n else t) for n, t in state.items()})

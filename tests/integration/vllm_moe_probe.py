@@ -3,7 +3,8 @@
 Used by test_moe_vllm_parity.py as a subprocess (vLLM's engine, its threads and its memory
 stay out of the test process). In-process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so forward
 hooks on the served model see its routing: for each sampled completion, the prompt plus
-completion is prefilled once more and every MoE layer's chosen experts per token recorded.
+completion is prefilled once more and every MoE layer's chosen experts per token recorded; then
+all completions are scored in one batch (prompt log-probs, as the trainer's canary asks).
 
     python vllm_moe_probe.py MODEL_DIR ADAPTER_DIR OUT_JSON RANK
 """
@@ -56,6 +57,13 @@ def main() -> None:
         tokens = completion["prompt"] + completion["tokens"]
         llm.generate([{"prompt_token_ids": tokens}], SamplingParams(max_tokens=1), lora_request=lora, use_tqdm=False)
         completion["routing"] = [ids for _, ids in captured]
+    # every completion scored again, all in one request (as the trainer's canary scores): prompt
+    # log-probs of many sequences in one batch, through the served head
+    sequences = [{"prompt_token_ids": c["prompt"] + c["tokens"]} for c in completions]
+    scoring = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    for completion, result in zip(completions, llm.generate(sequences, scoring, lora_request=lora, use_tqdm=False), strict=True):
+        tokens, entries = result.prompt_token_ids, result.prompt_logprobs
+        completion["scored"] = [entries[i][tokens[i]].logprob for i in range(len(completion["prompt"]), len(tokens))]
     with open(out_path, "w") as out:
         json.dump({"hooked_layers": hooked, "completions": completions}, out)
 
