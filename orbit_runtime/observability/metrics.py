@@ -87,7 +87,8 @@ LEARNER_STEP_DURATION = Histogram(
     "orbit_learner_step_duration_seconds", "Wall time of one RL step.", buckets=STEP_BUCKETS, registry=LEARNER_REGISTRY
 )
 LEARNER_PHASE_SECONDS = Gauge(
-    "orbit_learner_phase_seconds", "Time the last step spent per phase.", ["phase"], registry=LEARNER_REGISTRY
+    "orbit_learner_phase_seconds", "Time the last step spent per phase (generate, reward, reference, train, "
+    "sync; sync's parts: sync_publish, sync_canary_expected, sync_decode_canary).", ["phase"], registry=LEARNER_REGISTRY
 )
 LEARNER_STEP_PEAK_MEMORY = Gauge(
     "orbit_learner_step_peak_memory_bytes",
@@ -325,8 +326,9 @@ def observe_step(record: dict, per_sample_rewards: list[float]) -> None:
     LEARNER_STEP.set(record["step"])
     LEARNER_LAST_STEP_TIME.set(record["time"])
     LEARNER_STEP_DURATION.observe(record["step_seconds"])
-    for phase in ("generate_s", "reward_s", "reference_s", "train_s", "sync_s"):
-        if phase in record:
+    for phase in ("generate_s", "reward_s", "reference_s", "train_s", "sync_s",  # sync_s's parts: sync_*
+                  "sync_publish_s", "sync_canary_expected_s", "sync_decode_canary_s"):  # fmt: skip
+        if record.get(phase) is not None:
             LEARNER_PHASE_SECONDS.labels(phase.removesuffix("_s")).set(record[phase])
     for kind, key in (("rss", "peak_rss_bytes"), ("cuda_allocated", "cuda_peak_allocated_bytes"),
                       ("cuda_reserved", "cuda_peak_reserved_bytes")):  # fmt: skip

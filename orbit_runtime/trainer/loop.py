@@ -258,6 +258,7 @@ class Trainer(RoleLifecycle, CheckpointsAndShutdown):
         t = time.monotonic()
         version = state.adapter_version + 1
         source, size = self._adapter_source(version)
+        timings["sync_publish_s"] = time.monotonic() - t  # the adapter written (or exported) for the rollout
         sync = self.rollout.publish(self.policy, version, source)
         timings["sync_s"] = time.monotonic() - t
         if self.shared_base is None:

@@ -175,6 +175,8 @@ def canary_fields(sync: SyncResult) -> dict:
         "canary_tolerance": sync.canary_tolerance,
         "canary_decode_mean_abs_dlogp": decode.mean_abs_dlogp if decode else None,
         "canary_decode_max_abs_dlogp": decode.max_abs_dlogp if decode else None,
+        "sync_canary_expected_s": sync.expected_seconds,  # sync_s = publish + this + sync_seconds + decode
+        "sync_decode_canary_s": sync.decode_seconds,
     }
 
 

@@ -316,15 +316,19 @@ class RolloutRole(SupervisedRole):
     def publish(self, policy, version: int, path: Path) -> SyncResult:
         """Serve adapter VERSION (POLICY's current weights, published at PATH), verified on the canary
         against this version and the one before (the base model before v1), then on the decode path."""
+        t = time.monotonic()
         expected = canary_expectations(policy, self.canary)
+        expected_s = time.monotonic() - t
         self._expected[version] = expected
         previous = self._expected.get(version - 1, self._base_expected if version == 1 else None)
         result = self.call(lambda _client: self.sync.sync(version, path, expected, previous), kind="sync")
+        result = dataclasses.replace(result, expected_seconds=expected_s)
         self.current = (version, path)
         self._expected = {v: e for v, e in self._expected.items() if v >= version}
         if self.decode is not None:
             d = self.decode
             prompts = [prompt for prompt, _ in self.canary]
+            t = time.monotonic()
             try:  # a measurement: the version is verified and served, its failure must not fail the step
                 stats = self.call(lambda client: decode_canary(client, policy, prompts, self.served_name, tokens=d.tokens,
                                                                temperature=d.temperature, seed=d.seed), kind="canary")  # fmt: skip
@@ -336,6 +340,7 @@ class RolloutRole(SupervisedRole):
                 metrics.SYNC_CANARY_DECODE_FAILURES.inc()
             else:
                 result = dataclasses.replace(result, decode=stats)
+            result = dataclasses.replace(result, decode_seconds=time.monotonic() - t)
         return result
 
 

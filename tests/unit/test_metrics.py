@@ -46,7 +46,7 @@ def _step_record(step: int) -> dict:
         "mismatch_mean_abs": 0.002, "mismatch_max_abs": 0.03, "mismatch_k3_kl": 1e-5, "clip_fraction": 0.1,
         "is_weight_mean": 0.99, "is_over_cap_fraction": 0.02, "loss": -0.1, "grad_norm": 0.7, "learning_rate": 1e-4, "adapter_version": step,
         "adapter_bytes": 1000, "sync_seconds": 0.2, "canary_mean_abs_dlogp": 1e-4,
-        "canary_decode_mean_abs_dlogp": 2e-3,
+        "canary_decode_mean_abs_dlogp": 2e-3, "sync_decode_canary_s": 0.15, "sync_canary_expected_s": None,
     }  # fmt: skip
 
 
@@ -77,6 +77,7 @@ def test_observe_step_and_checkpoint_reach_the_exposition():
     assert value("orbit_learner_last_step_timestamp_seconds") == 1007.0
     assert delta("orbit_learner_samples", "_total") == 16 and delta("orbit_sync_bytes", "_total") == 1000
     assert value("orbit_learner_phase_seconds", phase="train") == 1.2
+    assert value("orbit_learner_phase_seconds", phase="sync_decode_canary") == 0.15  # a part of sync, by its own label
     assert delta("orbit_learner_reward", "_count") == 3
     assert value("orbit_sync_canary_mean_abs_logprob", path="prefill") == 1e-4
     assert value("orbit_sync_canary_mean_abs_logprob", path="decode") == 2e-3
