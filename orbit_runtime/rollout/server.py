@@ -13,6 +13,7 @@ from orbit_runtime.errors import OrbitError
 from orbit_runtime.processes import ManagedServer, free_port
 
 WORKER_EXTENSION = "orbit_runtime.rollout.vllm_worker_extension.OrbitWorkerExtension"
+RESERVED_CPUS_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"  # cores vLLM's CPU worker leaves to its other processes
 W4A16_ENV = "VLLM_CPU_INT4_W4A8"  # "0": vLLM's CPU build keeps 16-bit activations (the W4A16 kernel)
 ROUTING_ENV = "ORBIT_RETURN_ROUTED_EXPERTS"  # "1": Orbit's plugin returns routed experts on the CPU build
 
@@ -148,6 +149,10 @@ class VLLMServerConfig:
         if self.api_key:
             env[API_KEY_ENV] = self.api_key
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_gib))
+        # RESERVED_CPUS_ENV stays vLLM's (it leaves a core to its engine process): with it at 0 on 2 cores the
+        # worker computes on 2 threads, 1.14x faster on the quickstart (benchmarks/vs_trl.py, lever
+        # rollout_all_cores), but the same request then gets different log-probs from run to run (~5e-4 nats;
+        # tests/integration/test_rollout_determinism.py), and a resumed run no longer repeats the straight one
         env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         return env
 

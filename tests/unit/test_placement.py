@@ -55,6 +55,17 @@ def test_only_a_colocated_engine_opens_vllms_dev_routes_and_loads_orbits_extensi
     assert "--middleware" in command  # the dev routes (/collective_rpc, /sleep) need the run's key like any other
 
 
+def test_the_cpu_workers_core_reservation_is_vllms_unless_told_otherwise(tmp_path, monkeypatch):
+    """Orbit leaves VLLM_CPU_NUM_OF_RESERVED_CPU to vLLM (its worker computes on a core fewer, with
+    log-probs that repeat from run to run); a value the user set reaches the engine."""
+    from orbit_runtime.rollout.server import RESERVED_CPUS_ENV
+
+    monkeypatch.delenv(RESERVED_CPUS_ENV, raising=False)
+    assert RESERVED_CPUS_ENV not in VLLMServerConfig(tmp_path).environment()
+    monkeypatch.setenv(RESERVED_CPUS_ENV, "0")
+    assert VLLMServerConfig(tmp_path).environment()[RESERVED_CPUS_ENV] == "0"
+
+
 def _cpu_job(**spec_overrides) -> dict:
     job = yaml.safe_load((ROOT / "examples" / "rljob-cpu.yaml").read_text())
     job["spec"]["model"] = {"dtype": "fp16"}
