@@ -51,12 +51,23 @@ WORKLOADS = {
 RANK, ALPHA, LR = 16, 32, 1e-5
 # Orbit's levers, cumulative: each adds one change to the one before (the first: the earlier committed result's setting)
 ORBIT_CONFIGS = {
-    "committed_setting": {"lora_fast_path": False, "gradient_checkpointing": True, "learner_dtype": "bf16", "dtype": "bf16"},
+    "committed_setting": {"lora_fast_path": False, "gradient_checkpointing": True, "learner_dtype": "bf16", "dtype": "bf16",
+                          "vllm_idle_spin_s": 1.0, "vllm_reserved_cpus": 1},  # vLLM's own defaults  # fmt: skip
     "lora_fast_path": {"lora_fast_path": True},
     "no_gradient_checkpointing": {"gradient_checkpointing": False},
     "fp32_learner": {"learner_dtype": "fp32"},
-    "fp16_rollout": {"dtype": "fp16"},
+    # vLLM's processes busy-poll for 1 s after every message (its default, kept above); Orbit's default: sleep at once
+    "no_idle_spin": {"vllm_idle_spin_s": 0.0},
+    # vLLM's CPU worker leaves one core to its engine process (VLLM_CPU_NUM_OF_RESERVED_CPU: on 2 cores it
+    # computes on 1); Orbit's phases take turns, so the worker may take every core. Opt-in, not Orbit's default:
+    # on two threads vLLM's log-probs differ from call to call (tests/integration/test_rollout_determinism.py)
+    "rollout_all_cores": {"vllm_reserved_cpus": 0},
+    # Intel's OpenMP runtime (shipped in the venv with vLLM's CPU wheel) preloaded, as vLLM's CPU docs advise
+    "rollout_iomp": {"vllm_iomp": True},
+    "fp16_rollout": {"dtype": "fp16"},  # lost on both workloads (LOST: later levers do not carry it)
 }
+LOST = {"rollout_iomp", "fp16_rollout"}  # measured slower: applied to their own row only, not carried to later ones
+SYNC_PARTS = ("sync_publish_s", "sync_canary_expected_s", "sync_seconds", "sync_decode_canary_s")  # sync_seconds: load + verify
 TRL_CONFIGS = {
     "fp32": {"bf16": False},
     "bf16": {"bf16": True},
@@ -92,13 +103,22 @@ def build_models(name: str, root: Path) -> tuple[Path, Path, int]:
 
 
 def orbit_settings(config: str) -> dict:
-    """ORBIT_CONFIGS[CONFIG] with every lever before it applied."""
+    """ORBIT_CONFIGS[CONFIG] with every lever before it applied, except those that LOST."""
     settings: dict = {}
     for name, change in ORBIT_CONFIGS.items():
-        settings.update(change)
         if name == config:
-            return settings
+            return {**settings, **change}
+        if name not in LOST:
+            settings.update(change)
     raise KeyError(config)
+
+
+def intel_openmp() -> Path:
+    """libiomp5.so of the intel-openmp package (a dependency of vLLM's CPU wheel): in the venv's lib/."""
+    path = Path(sys.prefix) / "lib" / "libiomp5.so"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no Intel OpenMP runtime in this environment (pip install intel-openmp)")
+    return path
 
 
 def spread(values: list[float]) -> dict:
@@ -110,11 +130,17 @@ def orbit_worker(name: str, int4: Path, steps: int, out: Path, config: str) -> d
     import os
 
     from orbit_runtime.config import parse_job_spec
+    from orbit_runtime.rollout.server import RESERVED_CPUS_ENV
+    from orbit_runtime.rollout.vllm_cpu_idle import IDLE_SPIN_ENV
     from orbit_runtime.rollout.vllm_cpu_lora import FAST_PATH_ENV
     from orbit_runtime.trainer.loop import Trainer
 
     w, settings = WORKLOADS[name], orbit_settings(config)
     os.environ[FAST_PATH_ENV] = "1" if settings["lora_fast_path"] else "0"  # read by the vLLM server this starts
+    os.environ[IDLE_SPIN_ENV] = str(settings["vllm_idle_spin_s"])
+    os.environ[RESERVED_CPUS_ENV] = str(settings["vllm_reserved_cpus"])  # 1: vLLM's own choice on one x86 worker
+    if settings.get("vllm_iomp"):
+        os.environ["LD_PRELOAD"] = str(intel_openmp())
     spec = parse_job_spec(
         {
             "model": {"path": str(int4), "dtype": settings["dtype"], "learner_dtype": settings["learner_dtype"]},
@@ -139,6 +165,7 @@ def orbit_worker(name: str, int4: Path, steps: int, out: Path, config: str) -> d
     step_s = [r["step_seconds"] for r in records]
     breakdown = {key: statistics.fmean(r[key] for r in records) for key in ("generate_s", "train_s", "sync_s")}
     breakdown["other_s"] = statistics.fmean(step_s) - sum(breakdown.values())
+    breakdown["sync_parts"] = {key: statistics.fmean(r[key] for r in records) for key in SYNC_PARTS if records[0].get(key) is not None}
     tokens = [r["tokens"] for r in records]
     return {
         "settings": settings,
@@ -253,18 +280,22 @@ def run_config(system: str, name: str, model_dir: Path, steps: int, out: Path, c
 
 
 def levers(runs: dict[str, dict]) -> list[dict]:
-    """Each Orbit lever's measured effect: step time before and after adding it."""
+    """Each Orbit lever's measured effect: step time before and after adding it (before: the last
+    lever kept, as `orbit_settings` builds each configuration)."""
     table, previous = [], None
     for config, run in runs.items():
         if "error" in run:
             table.append({"lever": config, "error": run["error"]})
-            previous = None  # the next lever's ratio would span two changes
+            if config not in LOST:
+                previous = None  # the next lever's ratio would span two changes
             continue
         row = {"lever": config, "step_s": round(run["step_s"]["mean"], 3), "step_s_stdev": round(run["step_s"]["stdev"], 3),
-               **{k: round(v, 3) for k, v in run["breakdown"].items()}}  # fmt: skip
+               **{k: round(v, 3) if isinstance(v, float) else {part: round(x, 3) for part, x in v.items()}
+                  for k, v in run["breakdown"].items()}}  # fmt: skip
         if previous is not None:
             row["speedup_vs_previous"] = round(previous / run["step_s"]["mean"], 3)
-        previous = run["step_s"]["mean"]
+        if config not in LOST:
+            previous = run["step_s"]["mean"]
         table.append(row)
     return table
 
