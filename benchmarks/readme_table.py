@@ -97,7 +97,8 @@ def vs_trl_rows() -> list[str]:
             continue
         orbit, trl = w["orbit"][w["orbit_best"]], w["trl"][w["trl_best"]]
         verdict = "Orbit faster" if w["speedup"] > 1 else "Orbit slower"
-        phases = lambda r: ", ".join(f"{k[:-2]} {v:.1f} s" for k, v in r["breakdown"].items() if v > 0.05)  # noqa: E731
+        phases = lambda r: ", ".join(f"{k[:-2]} {v:.1f} s" for k, v in r["breakdown"].items()  # noqa: E731
+                                     if isinstance(v, float) and v > 0.05)  # sync_parts: a dict of sync's parts
         rows.append(
             f"| GRPO step throughput vs TRL `GRPOTrainer`, `{name}` = {w['model_params'] / 1e6:.0f}M params, "
             f"{w['prompts_per_step']}×{w['group_size']} samples, ≤{w['max_completion_tokens']} tokens, each side at its best "
@@ -140,6 +141,13 @@ def stability_rows() -> list[str]:
             f"{len(a['seeds'])} / {len(b['seeds'])} seeds | {fa['mean']:.0%} ({fa['min']:.0%}–{fa['max']:.0%}) | "
             f"{fb['mean']:.0%} ({fb['min']:.0%}–{fb['max']:.0%}) (learner on 16-bit weights) | "
             f"{fa['mean'] - fb['mean']:+.0%} points | {_source('stability.json', result)} |"
+        )
+        ma, mb = a["mismatch_mean_abs"], b["mismatch_mean_abs"]
+        rows.append(
+            f"| same runs: train–rollout mismatch, mean \\|Δlogp\\| of the sampled tokens over the run, mean over seeds; "
+            f"gradient-norm spikes (> {result['spike_factor']:g}× the run's median) per run | {ma['mean']:.2g}; "
+            f"spikes {'/'.join(str(n) for n in a['grad_norm_spikes'])} | {mb['mean']:.2g}; spikes "
+            f"{'/'.join(str(n) for n in b['grad_norm_spikes'])} | {mb['mean'] / ma['mean']:.0f}× less mismatch in A | same file |"
         )
     return rows
 

@@ -9,20 +9,26 @@ each with TIS (algorithm.mismatch_correction: tis, the quickstart's) and without
 for each --seeds value (schedule.seed: the adapter's init, prompt order, sampling).
 
 Orbit does not ship scheme B; this benchmark builds it by giving the trainer a learner loaded
-from the 16-bit checkpoint (`load_dense_policy`, as benchmarks/mismatch.py's "traditional") and
-by lifting the canary's noise-floor ceiling, which would otherwise (rightly) refuse to start a
-run whose learner computes another model than vLLM serves. The canary still runs in both
-schemes (its tolerance calibrated from each scheme's own noise floor), so both pay the same
-sync cost. `reference.report_kl` makes both report the KL to the reference (the base with the
-adapter off: INT4 in A, 16-bit in B) at kl_beta 0.
+from the 16-bit checkpoint (`load_dense_policy`, as benchmarks/mismatch.py's "traditional").
+The canary still runs in both schemes, so both pay the same sync cost, but in B it verifies the
+served adapter against an INT4 copy of the learner (the INT4 base vLLM serves, carrying the
+16-bit learner's current adapter): checked against the 16-bit learner itself, the INT4 error
+(about 0.02 mean |dlogp|) is as large as one step's change of the adapter, and the stale-adapter
+check failed a run at step 12 (closer to v11's log-probs than to v12's) while vLLM served v12.
+`reference.report_kl` makes both report the KL to the reference (the base with the adapter off:
+INT4 in A, 16-bit in B) at kl_beta 0.
 
 Per run: held-out accuracy at every evaluation (mean over the quickstart's 30 held-out prompts,
 with its standard error), and per step the reward, KL to the reference, train-rollout mismatch
 (mean and max |dlogp|, k3 KL), the mean TIS weight and the gradient norm. Runs are resumable:
 each run's JSON is written to --out as it finishes and a rerun skips finished runs (a run cut
-off midway starts over). The summary gives, per scheme x correction, the mean and spread over
-seeds of the curves and the count of gradient-norm spikes (steps whose grad norm exceeds
-SPIKE_FACTOR x the run's median). Never run it beside the test suite (2 cores).
+off midway starts over). Every run records the digest of the INT4 base it trained from: the
+warm-up that builds the base is not bit-reproducible across CPU kinds (nor, at times, runs), so
+a finished run counts only on the base the study now uses (--work), and the summary compares
+the runs of that one base (runs on another base are listed by name, not averaged in). The
+summary gives, per scheme x correction, the mean and spread over seeds of the curves and the
+count of gradient-norm spikes (steps whose grad norm exceeds SPIKE_FACTOR x the run's median).
+Never run it beside the test suite (2 cores).
 
     python benchmarks/stability.py --out benchmarks/results/stability --json benchmarks/results/stability.json
 """
@@ -41,6 +47,8 @@ from pathlib import Path
 import yaml
 from benchmark_output import emit_json
 from quickstart_base import build_quickstart_base
+
+from orbit_runtime.int4.base_digest import read_base_digest
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "examples" / "quickstart.yaml"
@@ -72,8 +80,7 @@ def job(int4: Path, correction: str, seed: int, runs: Path, name: str, steps: in
 def worker(scheme: str, correction: str, seed: int, work: Path, steps: int | None) -> None:
     """One run, in this (fresh) process; its metrics land in WORK/runs/<name>/metrics.jsonl."""
     from orbit_runtime.config import parse_job_spec
-    from orbit_runtime.config.spec import NOISE_FLOOR_CEILING
-    from orbit_runtime.learner.model import load_dense_policy
+    from orbit_runtime.learner.model import load_dense_policy, load_policy
     from orbit_runtime.trainer.loop import Trainer
 
     dense, int4 = work / "base", work / "base-int4"
@@ -81,21 +88,34 @@ def worker(scheme: str, correction: str, seed: int, work: Path, steps: int | Non
     spec = parse_job_spec(job(int4, correction, seed, work / "runs", name, steps), f"stability run {name}")
 
     class SixteenBitLearner(Trainer):
-        """Scheme B: the adapter is trained on the 16-bit checkpoint, not on the INT4 base vLLM serves."""
+        """Scheme B: the adapter is trained on the 16-bit checkpoint, not on the INT4 base vLLM serves;
+        the canary verifies against `verifier`, an INT4 copy carrying the learner's adapter."""
 
         def _load_policy(self):
             policy = load_dense_policy(dense, self.spec.adapter, dtype=self.learner_dtype, lora_rounding=self.spec.learner.lora_rounding)
             policy.model.to(self.device)  # where scheme A's learner runs
+            self.verifier = load_policy(int4, self.spec.adapter, dtype=self.learner_dtype, device=str(self.device),
+                                        lora_rounding=self.spec.learner.lora_rounding)  # fmt: skip
             return policy
 
-    if scheme == "B":  # the learner's base IS another model than vLLM's: the canary's floor is the INT4 error
-        NOISE_FLOOR_CEILING.update({dtype: float("inf") for dtype in NOISE_FLOOR_CEILING})
+        def start_roles(self) -> None:
+            rollout, verifier = self.rollout, self.verifier
+            publish, calibrate = rollout.publish, rollout.calibrate
+
+            def synced(policy):
+                verifier.load_adapter_state(policy.adapter_state())  # the adapter the rollout is about to serve
+                return verifier
+
+            rollout.publish = lambda policy, version, path: publish(synced(policy), version, path)
+            rollout.calibrate = lambda policy, dtype: calibrate(synced(policy), dtype)
+            super().start_roles()
+
     trainer = (SixteenBitLearner if scheme == "B" else Trainer)(spec)
     trainer.run()
 
 
-def read_run(run_dir: Path, scheme: str, correction: str, seed: int, wall_s: float) -> dict:
-    """The run's curves from its metrics.jsonl."""
+def read_run(run_dir: Path, scheme: str, correction: str, seed: int, wall_s: float, base_digest: str) -> dict:
+    """The run's curves from its metrics.jsonl (BASE_DIGEST: the INT4 base it trained from)."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r["kind"] == "step"]
     evals = [r for r in rows if r["kind"] == "eval"]
@@ -103,6 +123,7 @@ def read_run(run_dir: Path, scheme: str, correction: str, seed: int, wall_s: flo
     median = statistics.median(grad)
     return {
         "scheme": scheme, "correction": correction, "seed": seed, "wall_seconds": round(wall_s, 1),
+        "base_digest": base_digest, "machine": machine(),
         "heldout": [{"step": r["step"], "accuracy": r["accuracy"], "stderr": r["accuracy_stderr"]} for r in evals],
         "heldout_prompts": evals[-1]["examples"] if evals else 0,
         "steps": [{"step": r["step"], **{k: r.get(k) for k in STEP_FIELDS}} for r in steps],
@@ -111,6 +132,14 @@ def read_run(run_dir: Path, scheme: str, correction: str, seed: int, wall_s: flo
         "grad_norm_spikes": sum(g > SPIKE_FACTOR * median for g in grad),
         "canary_noise_floor": json.loads((run_dir / "summary.json").read_text()).get("canary_noise_floor"),
     }  # fmt: skip
+
+
+def machine() -> dict:
+    """The CPU the run measured on (the speed of a run, and the base's warm-up, depend on it)."""
+    from benchmark_output import environment
+
+    env = environment()
+    return {key: env.get(key) for key in ("commit", "cpu", "cpu_flags", "cpu_cores")}
 
 
 def spread(values: list[float]) -> dict:
@@ -170,16 +199,17 @@ def main() -> None:
         worker(scheme, correction, int(seed), args.work, args.steps)
         return
     args.out.mkdir(parents=True, exist_ok=True)
+    _, int4 = build_quickstart_base(args.work)
+    digest = read_base_digest(int4)
     if not args.summary_only:
-        build_quickstart_base(args.work)
         for seed in args.seeds:  # seed-major: a partial study still compares every scheme on the same seeds
             for scheme in args.schemes:
                 for correction in args.corrections:
                     name = run_name(scheme, correction, seed)
                     # a shorter smoke run never stands in for a study run: its own file name
                     result = args.out / (f"{name}-steps{args.steps}.json" if args.steps else f"{name}.json")
-                    if result.exists():
-                        continue
+                    if result.exists() and json.loads(result.read_text()).get("base_digest") == digest:
+                        continue  # finished on this base (a run on another base is run again, its file replaced)
                     shutil.rmtree(args.work / "runs" / name, ignore_errors=True)  # a run cut off midway starts over
                     started = time.monotonic()
                     command = [sys.executable, __file__, "--work", str(args.work), "--worker", scheme, correction, str(seed)]
@@ -187,13 +217,15 @@ def main() -> None:
                     proc = subprocess.run(command, capture_output=True, text=True)
                     if proc.returncode != 0:
                         raise SystemExit(f"run {name} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-                    row = read_run(args.work / "runs" / name, scheme, correction, seed, time.monotonic() - started)
+                    row = read_run(args.work / "runs" / name, scheme, correction, seed, time.monotonic() - started, digest)
                     result.write_text(json.dumps(row, indent=1) + "\n")
                     print(f"{name}: held-out {row['heldout'][0]['accuracy']:.2f} -> {row['heldout'][-1]['accuracy']:.2f} "
                           f"in {row['wall_seconds']:.0f}s", flush=True)  # fmt: skip
-    runs = [json.loads(p.read_text()) for p in sorted(args.out.glob("*-seed[0-9].json")) + sorted(args.out.glob("*-seed[0-9][0-9].json"))]
-    emit_json({"config": "examples/quickstart.yaml", "runs_found": len(runs), "spike_factor": SPIKE_FACTOR,
-               "groups": summarize(runs)}, args.json)  # fmt: skip
+    found = {p.stem: json.loads(p.read_text()) for p in sorted(args.out.glob("*-seed[0-9].json")) + sorted(args.out.glob("*-seed[0-9][0-9].json"))}
+    runs = [run for run in found.values() if run.get("base_digest") == digest]
+    emit_json({"config": "examples/quickstart.yaml", "base_digest": digest, "runs_found": len(runs),
+               "runs_on_other_bases": sorted(name for name, run in found.items() if run.get("base_digest") != digest),
+               "spike_factor": SPIKE_FACTOR, "groups": summarize(runs)}, args.json)  # fmt: skip
 
 
 if __name__ == "__main__":
