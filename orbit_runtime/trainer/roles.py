@@ -147,9 +147,10 @@ class SupervisedRole:
         metrics.ROLE_RECOVERY_DURATION.labels(self.role, "resync").observe(time.monotonic() - resync)
 
     def supervised(self, fn: Callable[[], T]) -> T:
-        """Run FN, restarting (or waiting for) a dead server and retrying. A request the server closed
-        without an answer (httpx.RemoteProtocolError: typically a keep-alive connection the server
-        dropped just as the request went out) is sent again once before the server is suspected."""
+        """Run FN, restarting (or waiting for) a dead server and retrying; a child server counts as dead
+        when it has exited or fails its health check. A request the server closed without an answer
+        (httpx.RemoteProtocolError: typically a keep-alive connection the server dropped just as the
+        request went out) is sent again once before the server is suspected."""
         resent = False
         while True:
             try:
@@ -172,7 +173,11 @@ class SupervisedRole:
                     except (httpx.HTTPError, RuntimeError) as again:  # died again while being restored: next round
                         log.warning("%s failed again while being restored (%s)", self.role, again)
                     continue
-                if self.server is None or self.server.alive_after(grace_s=5.0):
+                if self.server is None:
+                    raise
+                # a child that still runs and answers its health check: the request itself failed. One that
+                # runs but does not answer (vLLM shutting down after its engine died) is as good as dead
+                if self.server.alive_after(grace_s=5.0) and self.healthy():
                     raise
                 self._restart(exc)
 

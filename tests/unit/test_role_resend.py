@@ -126,3 +126,86 @@ def test_a_role_recovery_is_timed_by_phase():
     assert (restarts2, resyncs2) == (restarts + 1, resyncs + 1)
     assert restart_s2 - restart_s >= 1.0  # waited for the server to answer again (~1.2 s, polled each second)
     assert 0.2 <= resync_s2 - resync_s < 1.0
+
+
+# A child server that, like vLLM shutting down after its engine died, resets the connection of the
+# request in flight and then keeps running for a while without answering its health check. The
+# second instance (the restart) answers.
+SHUTTING_DOWN_SERVER = """
+import http.server, json, os, socket, struct, sys, time
+port, marker = int(sys.argv[1]), sys.argv[2]
+first = not os.path.exists(marker)
+open(marker, "a").close()
+state = {"dying": False}
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+    def _answer(self, code, body):
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        self._answer(503 if state["dying"] else 200, {"health": not state["dying"]})
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        if first:
+            state["dying"] = True
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self.connection.close()  # RST: the client reads "connection reset by peer"
+            return
+        self._answer(200, {"ok": True, "pid": os.getpid()})
+
+http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
+"""
+
+
+class _Managed(SupervisedRole):
+    """A role whose server is a child process Orbit started (`orbit train`'s local roles)."""
+
+    role = "rollout"
+
+    def __init__(self, tmp_path) -> None:
+        super().__init__(max_restarts=1, restarts_metric=metrics.ROLLOUT_RESTARTS)
+        self.tmp_path = tmp_path
+        (tmp_path / "server.py").write_text(SHUTTING_DOWN_SERVER)
+
+    def start(self) -> None:
+        import sys
+
+        from orbit_runtime.processes import ManagedServer
+
+        port = free_port()
+        command = [sys.executable, str(self.tmp_path / "server.py"), str(port), str(self.tmp_path / "started-once")]
+        self.server = ManagedServer(command, port=port, host="127.0.0.1", env={}, log_path=self.tmp_path / "server.log")
+        self.server.start(timeout_s=30)
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop(grace_s=2.0)
+
+    def healthy(self) -> bool:
+        try:
+            return httpx.get(self.server.base_url + "/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+
+def test_a_child_server_that_resets_its_requests_and_stops_answering_is_restarted(tmp_path):
+    """Seen in a long run: vLLM's server shut down (its process still exiting) and the learner got
+    `ReadError: connection reset by peer`. A child that still runs but fails its health check is as
+    good as dead: it is restarted and the request retried, not raised (which ended the run)."""
+    role = _Managed(tmp_path)
+    role.start()
+    first_pid = role.server.pid
+    try:
+        answer = role.supervised(lambda: httpx.post(role.server.base_url + "/v1/completions", json={}, timeout=10).json())
+    finally:
+        role.stop()
+    assert answer["ok"] and answer["pid"] != first_pid  # answered by the restarted server
+    assert role.restarts == 1
