@@ -2,8 +2,9 @@
 policy (its own server process, or the learner's base with the adapter off).
 
 Every request to a role server goes through `call()`. If it fails and the server process is
-gone, the server is started again (at most `max_restarts` times over the run) and the
-request is retried; a failure while the server is alive is not a crash and is raised as is.
+gone, or still runs but fails its health check (vLLM shutting down after its engine died), the
+server is started again (at most `max_restarts` times over the run) and the request is
+retried; a failure while the server runs and answers is not a crash and is raised as is.
 After a rollout restart, the adapter version that was being served is loaded again and
 verified against the canary expectations kept for THAT version.
 """
