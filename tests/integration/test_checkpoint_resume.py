@@ -25,26 +25,27 @@ pytestmark = pytest.mark.vllm
 
 STEPS = 4
 # vLLM on CPU gives a request's log-probs that depend on which other requests share its engine
-# step (measured: the same prompt and seed, alone or beside three others, up to 5e-4 nats apart),
-# and that is timing: each prompt is its own HTTP request. Under TIS the update reads those
-# log-probs, so a late arrival in one run moved the adapter and the next step's samples (seen
-# once in CI). These jobs train without a mismatch correction: the update then reads the learner's
-# log-probs and the sampled tokens only, which is what an exact resume must reproduce.
-EXACT = {"mismatch_correction": "none"}
+# step (measured: the same prompt and seed alone or beside three others, up to 5e-4 nats apart),
+# and that is timing: each prompt is its own HTTP request. The update reads those log-probs
+# (TIS) and the samples come from them, so CI once saw a resumed run's step 4 differ. These jobs
+# run the engine one sequence at a time (rollout.max_num_seqs 1): its numbers are then the same
+# whatever the timing (alone vs beside others: 0.0 apart, on the quickstart's model, where
+# batching moved them by 1e-6), which is what an exact resume must be checked against.
+EXACT = {"max_num_seqs": 1}
 # A dense reward a random model earns in varying amounts (it favours "B"), so every group has
 # variance and the adapter moves at every step.
 SHARE_OF_B = "def share_of_b(completions, **kwargs):\n    return [c.count('B') / max(len(c), 1) for c in completions]\n"
 
 
 def _job(tmp_path: Path, int4_dir: Path, name: str, **overrides) -> Path:
-    """A deterministic little job: per-step sampling seeds, fp32 learner, LR warm-up (so LR changes every step), no TIS (EXACT)."""
+    """A deterministic little job: per-step sampling seeds, fp32 learner, LR warm-up (so LR changes
+    every step), vLLM one sequence at a time (EXACT)."""
     job = {
         "model": {"path": str(int4_dir), "dtype": "fp16", "learner_dtype": "fp32"},
         "adapter": {"rank": 8, "alpha": 16},
         "data": {"type": "synthetic_arithmetic", "max_value": 9, "validation_size": 4},
         "rewards": [{"function": "orbit_test_rewards:share_of_b"}],
-        "algorithm": EXACT,
-        "rollout": {"group_size": 4, "prompts_per_step": 4, "max_tokens": 6},
+        "rollout": {"group_size": 4, "prompts_per_step": 2, "max_tokens": 6, **EXACT},  # 8 sequences, one by one
         "schedule": {"steps": STEPS, "learning_rate": 5e-3, "warmup_steps": 3},
         "eval": {"every_steps": 2},
         "checkpoint": {"every_steps": 2, "keep_last": 5, "retries": 1, "stop_timeout_s": 60},

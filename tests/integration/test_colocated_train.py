@@ -88,13 +88,14 @@ def test_colocated_run_learns_in_memory_and_survives_the_engine_dying(tmp_path, 
 def test_colocated_resume_continues_exactly(tmp_path, int4_dir):
     steps = {"steps": 4, "learning_rate": 5e-3, "warmup_steps": 3, "seed": 0}
     checkpoint = {"every_steps": 2, "keep_last": 5}
-    # no TIS: the update must not read vLLM's log-probs, which depend on request timing (test_checkpoint_resume.EXACT)
-    straight = _job(tmp_path, int4_dir, "straight", schedule=steps, checkpoint=checkpoint, algorithm=EXACT)
+    # vLLM one sequence at a time: its log-probs must not depend on request timing (test_checkpoint_resume.EXACT)
+    rollout = {"group_size": 8, "prompts_per_step": 2, "max_tokens": 8, **EXACT}  # 16 sequences, one by one
+    straight = _job(tmp_path, int4_dir, "straight", schedule=steps, checkpoint=checkpoint, rollout=rollout)
     proc = _train(straight)
     output, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, output[-3000:]
 
-    resumed = _job(tmp_path, int4_dir, "resumed", schedule=steps, checkpoint=checkpoint, algorithm=EXACT)
+    resumed = _job(tmp_path, int4_dir, "resumed", schedule=steps, checkpoint=checkpoint, rollout=rollout)
     run = tmp_path / "resumed" / "c"
     proc = _train(resumed)
     try:
