@@ -59,6 +59,14 @@ def test_a_request_closed_without_an_answer_is_sent_again_once(server):
         _DropFirst.drops = 1
 
 
+def _answers_health(url: str) -> bool:
+    """Does the server at URL answer its health check with 200 right now?"""
+    try:
+        return httpx.get(url + "/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 class _Ok(socketserver.BaseRequestHandler):
     def handle(self) -> None:
         self.request.recv(65536)
@@ -76,10 +84,7 @@ class _Returning(SupervisedRole):
         self.resynced = False
 
     def healthy(self) -> bool:
-        try:
-            return httpx.get(self.url + "/health", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
+        return _answers_health(self.url)
 
     def start(self) -> None:
         self.wait_until_up()
@@ -190,10 +195,7 @@ class _Managed(SupervisedRole):
             self.server.stop(grace_s=2.0)
 
     def healthy(self) -> bool:
-        try:
-            return httpx.get(self.server.base_url + "/health", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
+        return _answers_health(self.server.base_url)
 
 
 def test_a_child_server_that_resets_its_requests_and_stops_answering_is_restarted(tmp_path):
