@@ -52,7 +52,8 @@ RANK, ALPHA, LR = 16, 32, 1e-5
 # Orbit's levers, cumulative: each adds one change to the one before (the first: the earlier committed result's setting)
 ORBIT_CONFIGS = {
     "committed_setting": {"lora_fast_path": False, "gradient_checkpointing": True, "learner_dtype": "bf16", "dtype": "bf16",
-                          "vllm_idle_spin_s": 1.0, "vllm_reserved_cpus": 1},  # vLLM's own defaults  # fmt: skip
+                          "vllm_idle_spin_s": 1.0, "vllm_reserved_cpus": 1,
+                          "pin_malloc_threshold": True},  # vLLM's own defaults  # fmt: skip
     "lora_fast_path": {"lora_fast_path": True},
     "no_gradient_checkpointing": {"gradient_checkpointing": False},
     "fp32_learner": {"learner_dtype": "fp32"},
@@ -62,6 +63,9 @@ ORBIT_CONFIGS = {
     # computes on 1); Orbit's phases take turns, so the worker may take every core. Opt-in, not Orbit's default:
     # on two threads vLLM's log-probs differ from call to call (tests/integration/test_rollout_determinism.py)
     "rollout_all_cores": {"vllm_reserved_cpus": 0},
+    # glibc's mmap threshold left dynamic in the learner (learner.pin_malloc_threshold false): pinned at 4 MiB,
+    # every freed activation above it goes back to the OS and is page-faulted in again by the next layer
+    "no_malloc_pin": {"pin_malloc_threshold": False},
     # Intel's OpenMP runtime (shipped in the venv with vLLM's CPU wheel) preloaded, as vLLM's CPU docs advise
     "rollout_iomp": {"vllm_iomp": True},
     "fp16_rollout": {"dtype": "fp16"},  # lost on both workloads (LOST: later levers do not carry it)
@@ -145,7 +149,8 @@ def orbit_worker(name: str, int4: Path, steps: int, out: Path, config: str) -> d
         {
             "model": {"path": str(int4), "dtype": settings["dtype"], "learner_dtype": settings["learner_dtype"]},
             "adapter": {"rank": RANK, "alpha": ALPHA, "target_modules": TARGETS},
-            "learner": {"gradient_checkpointing": settings["gradient_checkpointing"]},
+            "learner": {"gradient_checkpointing": settings["gradient_checkpointing"],
+                        "pin_malloc_threshold": settings["pin_malloc_threshold"]},
             "algorithm": {"kl_beta": 0.0},
             "data": {"type": "synthetic_arithmetic", "max_value": 99, "validation_size": 4},
             "rewards": [{"function": "exact_match"}],
