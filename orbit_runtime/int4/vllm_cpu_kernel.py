@@ -29,6 +29,8 @@ import sys
 
 import torch
 
+from orbit_runtime.int4.packing import signed_codes
+
 BLOCK_OUTPUTS = 16  # output columns per block of the repacked layout
 
 if sys.byteorder != "little":  # the byte view below assumes little-endian int32
@@ -95,20 +97,26 @@ def wna16_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bia
     return y.view(*x.shape[:-1], y.shape[-1])
 
 
-def unpack_codes(packed: torch.Tensor, in_features: int) -> torch.Tensor:
-    """The repacked int32 [out / 16, in * 2] -> uint8 codes [in, out] (0..15, offset 8)."""
+def _bytes_by_input(packed: torch.Tensor, in_features: int) -> torch.Tensor:
+    """The repacked int32 [out / 16, in * 2] -> uint8 [in, out / 2]: byte k of row i holds the codes of
+    outputs 2k (low nibble) and 2k + 1 (high)."""
     if packed.dtype != torch.int32:
         raise TypeError(f"vLLM's repacked INT4 weights are int32, got {packed.dtype}")
     blocks = packed.shape[0]
     out_features = blocks * BLOCK_OUTPUTS
     by_input = packed.view(blocks, in_features, 2).permute(1, 0, 2).reshape(in_features, out_features // 8)
-    as_bytes = by_input.contiguous().view(torch.uint8)  # byte k: outputs 2k (low nibble) and 2k + 1 (high)
-    return torch.stack((as_bytes & 0xF, as_bytes >> 4), dim=-1).view(in_features, out_features)
+    return by_input.contiguous().view(torch.uint8)
+
+
+def unpack_codes(packed: torch.Tensor, in_features: int) -> torch.Tensor:
+    """The repacked int32 [out / 16, in * 2] -> uint8 codes [in, out] (0..15, offset 8)."""
+    as_bytes = _bytes_by_input(packed, in_features)
+    return torch.stack((as_bytes & 0xF, as_bytes >> 4), dim=-1).view(in_features, -1)
 
 
 def dequantize_transposed(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Dense W.T [in, out] in DTYPE from vLLM's repacked weight and its [groups, out] scales."""
     groups, out_features = scale.shape
     in_features = packed.shape[1] // 2
-    codes = unpack_codes(packed, in_features).to(dtype).view(groups, in_features // groups, out_features)
-    return ((codes - 8) * scale.to(dtype).unsqueeze(1)).view(in_features, out_features)
+    codes = signed_codes(_bytes_by_input(packed, in_features), dtype)  # [in, out], offset removed, no temporaries
+    return codes.view(groups, in_features // groups, out_features).mul_(scale.to(dtype).unsqueeze(1)).view(in_features, out_features)

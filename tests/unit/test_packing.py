@@ -1,5 +1,6 @@
 """INT4 packing: Orbit's fast unpack must agree with compressed-tensors' reference code."""
 
+import pytest
 import torch
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
 
@@ -43,6 +44,18 @@ def test_dequantize_matches_reference_formula():
     dense = dequantize_int4(pack_to_int32(q, 4), scale, 256, torch.float32)
     expected = q.float() * scale.float().repeat_interleave(128, dim=1)
     assert torch.equal(dense, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("in_features, group", [(256, 128), (12, 4)])  # 12: the last int32 holds 4 padding codes
+def test_dequantize_in_every_dtype_and_with_padding(dtype, in_features, group):
+    """dequantize_int4 works in place on one output-dtype tensor: every dtype the learner computes in, and a row
+    whose last int32 is half padding, give the reference formula (one rounding: code x scale in DTYPE)."""
+    q = torch.randint(-8, 8, (6, in_features), dtype=torch.int8)
+    scale = torch.rand(6, in_features // group, dtype=torch.bfloat16) + 0.01
+    dense = dequantize_int4(pack_to_int32(q, 4), scale, in_features, dtype)
+    assert dense.dtype == dtype and dense.shape == (6, in_features) and dense.is_contiguous()
+    assert torch.equal(dense, q.to(dtype) * scale.to(dtype).repeat_interleave(group, dim=1))
 
 
 def test_packed_nbytes_is_about_half_a_byte_per_weight():
