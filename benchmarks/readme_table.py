@@ -86,6 +86,12 @@ def _workload_env(result: dict, name: str) -> dict:
     return {"environment": env.get(name, env)}
 
 
+def _steps_timed(result: dict, name: str) -> int:
+    """Timed steps of a workload: one number for the file, or one per workload when the runs differ."""
+    steps = result["steps_timed"]
+    return steps[name] if isinstance(steps, dict) else steps
+
+
 def vs_trl_rows() -> list[str]:
     result = _load("vs_trl.json")
     if result is None:
@@ -102,7 +108,7 @@ def vs_trl_rows() -> list[str]:
         rows.append(
             f"| GRPO step throughput vs TRL `GRPOTrainer`, `{name}` = {w['model_params'] / 1e6:.0f}M params, "
             f"{w['prompts_per_step']}×{w['group_size']} samples, ≤{w['max_completion_tokens']} tokens, each side at its best "
-            f"(Orbit `{w['orbit_best']}`, TRL `{w['trl_best']}`), mean of {result['steps_timed']} steps | "
+            f"(Orbit `{w['orbit_best']}`, TRL `{w['trl_best']}`), mean of {_steps_timed(result, name)} steps | "
             f"{orbit['samples_per_s']:.2f} samples/s ({phases(orbit)}) | {trl['samples_per_s']:.2f} samples/s ({phases(trl)}) | "
             f"**{w['speedup']:.2f}× ({verdict})** | {_source('vs_trl.json', _workload_env(result, name))} |"
         )
