@@ -19,7 +19,8 @@ def _anchors(page: Path) -> set[str]:
     seen: dict[str, int] = {}
     anchors = set()
     for heading in re.findall(r"^#{1,6}\s+(.+?)\s*#*$", FENCE.sub("", page.read_text()), re.M):
-        text = re.sub(r"[`*_]{1,2}(.+?)[`*_]{1,2}", r"\1", heading)  # code and emphasis marks are not in the anchor
+        text = re.sub(r"`([^`]*)`", r"\1", heading)  # code marks are not in the anchor; the code's own _ stay
+        text = re.sub(r"\*{1,2}(.+?)\*{1,2}|(?<!\w)_{1,2}(.+?)_{1,2}(?!\w)", lambda m: m[1] or m[2], text)  # emphasis
         slug = re.sub(r"[^\w\- ]", "", text.lower()).replace(" ", "-")
         count = seen.get(slug, 0)
         seen[slug] = count + 1
