@@ -38,10 +38,11 @@ def signed_codes(as_bytes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """uint8 [..., n], two INT4 codes a byte (low nibble first, each offset by +8) -> their values
     in [-8, 7] as DTYPE [..., 2n].
 
-    The nibbles are written straight into the one DTYPE tensor and shifted in place: no int8 or
-    stacked temporaries. This runs on every forward and backward of every INT4 layer, and each
-    big temporary is a fresh allocation the next layer page-faults in again
-    (benchmarks/int4_dequant.py measures it against the stack-and-cast version).
+    The nibbles are written straight into the one DTYPE tensor and shifted in place: no int8,
+    stacked or cast temporaries (only the two half-size uint8 nibble tensors). This runs on
+    every forward and backward of every INT4 layer, and each big temporary is a fresh
+    allocation the next layer page-faults in again (benchmarks/int4_dequant.py measures it
+    against the stack-and-cast version).
     """
     values = torch.empty(*as_bytes.shape, 2, dtype=dtype, device=as_bytes.device)
     values[..., 0] = as_bytes & 0xF

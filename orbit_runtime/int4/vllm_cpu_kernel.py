@@ -118,5 +118,5 @@ def dequantize_transposed(packed: torch.Tensor, scale: torch.Tensor, dtype: torc
     """Dense W.T [in, out] in DTYPE from vLLM's repacked weight and its [groups, out] scales."""
     groups, out_features = scale.shape
     in_features = packed.shape[1] // 2
-    codes = signed_codes(_bytes_by_input(packed, in_features), dtype)  # [in, out], offset removed, no temporaries
+    codes = signed_codes(_bytes_by_input(packed, in_features), dtype)  # [in, out], offset removed in place
     return codes.view(groups, in_features // groups, out_features).mul_(scale.to(dtype).unsqueeze(1)).view(in_features, out_features)
