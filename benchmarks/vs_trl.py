@@ -52,8 +52,8 @@ RANK, ALPHA, LR = 16, 32, 1e-5
 # Orbit's levers, cumulative: each adds one change to the one before (the first: the earlier committed result's setting)
 ORBIT_CONFIGS = {
     "committed_setting": {"lora_fast_path": False, "gradient_checkpointing": True, "learner_dtype": "bf16", "dtype": "bf16",
-                          "vllm_idle_spin_s": 1.0, "vllm_reserved_cpus": 1,
-                          "pin_malloc_threshold": True},  # vLLM's own defaults  # fmt: skip
+                          "vllm_idle_spin_s": 1.0, "vllm_reserved_cpus": 1,  # vLLM's own defaults
+                          "pin_malloc_threshold": True},  # fmt: skip
     "lora_fast_path": {"lora_fast_path": True},
     "no_gradient_checkpointing": {"gradient_checkpointing": False},
     "fp32_learner": {"learner_dtype": "fp32"},

@@ -24,14 +24,15 @@ def unpack_int4(packed: torch.Tensor, in_features: int) -> torch.Tensor:
     """int32 [out, ceil(in/8)] -> int8 [out, in] with values in [-8, 7].
 
     Works on the bytes: in a little-endian int32, byte k holds values 2k (low nibble) and
-    2k+1 (high nibble). Every intermediate is 1 byte a weight, which keeps the per-layer
-    temporaries small (this runs on every forward and backward of every layer).
+    2k+1 (high nibble) (`signed_codes`).
     """
+    _check_packed(packed)
+    return signed_codes(packed.view(torch.uint8), torch.int8)[:, :in_features].contiguous()
+
+
+def _check_packed(packed: torch.Tensor) -> None:
     if packed.dtype != torch.int32:
         raise TypeError(f"packed INT4 weights must be int32, got {packed.dtype}")
-    as_bytes = packed.view(torch.uint8)  # [out, in/2]
-    nibbles = torch.stack((as_bytes & 0xF, as_bytes >> 4), dim=-1).view(packed.shape[0], -1)
-    return nibbles[:, :in_features].view(torch.int8) - 8
 
 
 def signed_codes(as_bytes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -54,8 +55,7 @@ def dequantize_int4(
     packed: torch.Tensor, scale: torch.Tensor, in_features: int, dtype: torch.dtype
 ) -> torch.Tensor:
     """Dense [out, in] weight in `dtype` from packed int4 values and per-group scales."""
-    if packed.dtype != torch.int32:
-        raise TypeError(f"packed INT4 weights must be int32, got {packed.dtype}")
+    _check_packed(packed)
     out_features, num_groups = scale.shape
     group_size = in_features // num_groups
     q = signed_codes(packed.view(torch.uint8), dtype)[:, :in_features].contiguous()  # a copy only if in % 8 != 0
